@@ -1,0 +1,130 @@
+"""The local attention kernel interface: one rank, packed tokens, block-sparse mask.
+
+Every distributed algorithm in this package reduces to calls of this interface:
+"these query rows attend to these key rows, causally or fully". It mirrors
+flash-attn's varlen functions (forward returns the log-sum-exp, backward takes
+the *final* output and LSE), so partial results from several calls can be merged
+exactly with the LSE and a ring backward can reuse the global softmax statistics.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Protocol, Sequence, Tuple
+
+import torch
+
+
+@dataclass(frozen=True)
+class AttentionBlocks:
+    """Which (query-range, key-range) pairs one kernel call computes.
+
+    Block i lets query rows ``q[q_starts[i]:q_ends[i]]`` attend to key rows
+    ``k[k_starts[i]:k_ends[i]]``. A causal block is bottom-right aligned like
+    flash-attn >= 2.1: with ``sq = q_end - q_start`` and ``sk = k_end - k_start``,
+    query row ``a`` (0-based in the block) sees key ``b`` iff ``b <= a + sk - sq``.
+    Several blocks may share query rows (their contributions are merged with the
+    log-sum-exp); for one query row the key ranges of its blocks must not overlap.
+    Query rows covered by no block get output 0 and LSE -inf.
+    All entries are Python ints so the structure is cheap to build, hash and cache.
+    """
+
+    q_starts: Tuple[int, ...] = ()
+    q_ends: Tuple[int, ...] = ()
+    k_starts: Tuple[int, ...] = ()
+    k_ends: Tuple[int, ...] = ()
+    causal: Tuple[bool, ...] = ()
+
+    def __post_init__(self) -> None:
+        n = len(self.q_starts)
+        if not (len(self.q_ends) == len(self.k_starts) == len(self.k_ends) == len(self.causal) == n):
+            raise ValueError("AttentionBlocks fields must all have the same length")
+
+    def __len__(self) -> int:
+        return len(self.q_starts)
+
+    @staticmethod
+    def from_list(blocks: Sequence[Tuple[int, int, int, int, bool]]) -> "AttentionBlocks":
+        """Build from ``(q_start, q_end, k_start, k_end, causal)`` tuples; empty blocks are dropped."""
+        kept = [b for b in blocks if b[1] > b[0] and b[3] > b[2]]
+        if not kept:
+            return AttentionBlocks()
+        qs, qe, ks, ke, c = zip(*kept)
+        return AttentionBlocks(tuple(qs), tuple(qe), tuple(ks), tuple(ke), tuple(bool(x) for x in c))
+
+    def __iter__(self):
+        return iter(zip(self.q_starts, self.q_ends, self.k_starts, self.k_ends, self.causal))
+
+    def area(self) -> int:
+        """Number of (query, key) pairs that are attended: the mask area FLOPs follow."""
+        total = 0
+        for qs, qe, ks, ke, causal in self:
+            sq, sk = qe - qs, ke - ks
+            if not causal:
+                total += sq * sk
+            else:  # bottom-right aligned: the last row sees all sk keys, each row above one fewer
+                first = sk - sq + 1
+                total += (first + sk) * sq // 2 if first >= 1 else sk * (sk + 1) // 2
+        return total
+
+
+class AttentionKernel(Protocol):
+    """A local attention implementation (torch, flash-attn, TransformerEngine).
+
+    Layouts: q ``[t_q, h_q, d]``, k/v ``[t_k, h_kv, d]`` with ``h_q % h_kv == 0``
+    (query head j uses KV head ``j // (h_q // h_kv)``); out ``[t_q, h_q, d]`` in
+    q's dtype; lse ``[h_q, t_q]`` float32 (natural log of the softmax denominator
+    after scaling). All tensors live on this rank and describe this rank's data.
+    """
+
+    name: str
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, blocks: AttentionBlocks,
+                softmax_scale: float) -> Tuple[torch.Tensor, torch.Tensor]:
+        ...
+
+    def backward(self, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 out: torch.Tensor, lse: torch.Tensor, blocks: AttentionBlocks,
+                 softmax_scale: float) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Gradients for one call, given the *final* out/lse of the rows (which may
+        merge several calls). Returns dq, dk, dv in float32 (callers accumulate
+        across calls before casting)."""
+        ...
+
+
+def check_kernel_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, blocks: AttentionBlocks,
+                        supported_dtypes: Optional[Tuple[torch.dtype, ...]] = None) -> None:
+    """Validate shapes, dtypes and block bounds; raises ValueError naming the argument."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.dim() != 3:
+            raise ValueError(f"{name} must have layout [t, h, d], got shape {tuple(t.shape)}")
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
+    if q.shape[2] != k.shape[2]:
+        raise ValueError(f"q and k must have the same head_dim, got {q.shape[2]} and {k.shape[2]}")
+    if k.shape[1] == 0 or q.shape[1] % k.shape[1] != 0:
+        raise ValueError(f"h_q={q.shape[1]} must be a multiple of h_kv={k.shape[1]}")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise ValueError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if supported_dtypes is not None and q.dtype not in supported_dtypes:
+        raise ValueError(f"dtype {q.dtype} is not supported by this kernel; allowed: {supported_dtypes}")
+    if not (q.device == k.device == v.device):
+        raise ValueError("q, k, v must be on the same device")
+    tq, tk = q.shape[0], k.shape[0]
+    for qs, qe, ks, ke, _ in blocks:
+        if not (0 <= qs <= qe <= tq and 0 <= ks <= ke <= tk):
+            raise ValueError(f"attention block q[{qs}:{qe}] k[{ks}:{ke}] is out of bounds for t_q={tq}, t_k={tk}")
+
+
+def merge_partial_attention(out: torch.Tensor, lse: torch.Tensor, part_out: torch.Tensor,
+                            part_lse: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Combine two softmax-normalised partial results over disjoint key sets, exactly.
+
+    out/part_out ``[t, h, d]`` (accumulated in float32 or float64), lse/part_lse ``[h, t]``.
+    Rows where one side saw no keys (lse = -inf) take the other side unchanged.
+    """
+    new_lse = torch.logaddexp(lse, part_lse)
+    safe = torch.where(torch.isinf(new_lse), torch.zeros_like(new_lse), new_lse)
+    w_old = torch.exp(lse - safe).transpose(0, 1).unsqueeze(-1)
+    w_new = torch.exp(part_lse - safe).transpose(0, 1).unsqueeze(-1)
+    return out * w_old + part_out.to(out.dtype) * w_new, new_lse

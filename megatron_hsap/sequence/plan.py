@@ -1,0 +1,339 @@
+"""Per-batch plans: where every token of a packed batch lives, and what attention exchanges.
+
+``plan_batch`` turns the global batch's document boundaries into a ``BatchPlan``.
+The same plan is computed identically on every rank (it depends only on the
+document lengths and the topology's shape), so every rank knows what every other
+rank will send without asking. Plans are cached by document-length signature.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from functools import lru_cache
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+
+from megatron_hsap.config import LAYOUTS
+from megatron_hsap.parallel_state import CPTopology
+from megatron_hsap.sequence.layouts import Segment, check_layout, contiguous_layout, zigzag_layout
+from megatron_hsap.sequence.schedule import MemberSchedule, Piece, build_member_schedule, member_pieces
+
+__all__ = ["BatchPlan", "PlanStats", "plan_batch", "validate_cu_seqlens"]
+
+
+def validate_cu_seqlens(cu_seqlens: torch.Tensor) -> Tuple[int, ...]:
+    """Document lengths from ``cu_seqlens`` (int ``[num_docs + 1]``, starting at 0, non-decreasing)."""
+    if not isinstance(cu_seqlens, torch.Tensor):
+        raise ValueError(f"cu_seqlens must be a torch.Tensor of int32/int64, got {type(cu_seqlens).__name__}")
+    if cu_seqlens.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"cu_seqlens must have dtype int32 or int64, got {cu_seqlens.dtype}")
+    if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 1:
+        raise ValueError(f"cu_seqlens must be 1-D [num_docs + 1], got shape {tuple(cu_seqlens.shape)}")
+    values = cu_seqlens.tolist()
+    if values[0] != 0:
+        raise ValueError(f"cu_seqlens must start at 0, got {values[0]}")
+    lengths = tuple(b - a for a, b in zip(values[:-1], values[1:]))
+    if any(n < 0 for n in lengths):
+        bad = next(i for i, n in enumerate(lengths) if n < 0)
+        raise ValueError(f"cu_seqlens must be non-decreasing; cu_seqlens[{bad + 1}]={values[bad + 1]} < "
+                         f"cu_seqlens[{bad}]={values[bad]}")
+    return lengths
+
+
+@dataclass(frozen=True)
+class PlanStats:
+    """Per-CP-rank figures for one layer's attention forward pass (lists indexed by CP rank)."""
+
+    tokens: List[int]
+    padding_tokens: List[int]
+    attn_flops: List[int]
+    send_bytes_intra: List[int]
+    send_bytes_inter: List[int]
+    recv_bytes_intra: List[int]
+    recv_bytes_inter: List[int]
+
+    def __getitem__(self, key: str) -> List[int]:
+        return getattr(self, key)
+
+    def as_dict(self) -> Dict[str, List[int]]:
+        return {k: list(getattr(self, k)) for k in self.__dataclass_fields__}
+
+    @property
+    def flops_imbalance(self) -> float:
+        """max / mean attention FLOPs over ranks (1.0 = perfectly balanced)."""
+        mean = sum(self.attn_flops) / len(self.attn_flops)
+        return max(self.attn_flops) / mean if mean > 0 else 1.0
+
+
+@dataclass
+class _PlanData:
+    """Rank-independent part of a plan, shared through the cache."""
+
+    doc_lengths: Tuple[int, ...]
+    layout: str
+    cp_size: int
+    ulysses_size: int
+    rank_segments: Tuple[Tuple[Segment, ...], ...]
+    tokens_per_rank: int
+    pieces: List[Dict[int, List[Piece]]] = field(default_factory=list)
+    schedules: Dict[Tuple[int, bool], MemberSchedule] = field(default_factory=dict)
+
+    def schedule(self, member: int, causal: bool) -> MemberSchedule:
+        key = (member, causal)
+        if key not in self.schedules:
+            self.schedules[key] = build_member_schedule(self.pieces, member, causal)
+        return self.schedules[key]
+
+
+def _place(doc_lengths: Tuple[int, ...], topology: CPTopology, layout: str) -> Tuple[List[List[Segment]], int]:
+    cp = topology.cp_size
+    if layout == "zigzag":
+        return zigzag_layout(doc_lengths, cp)
+    if layout == "contiguous":
+        return contiguous_layout(doc_lengths, cp)
+    from megatron_hsap.sequence.placement import sequence_aware_placement
+
+    nodes = topology.node_of_cp_rank
+    members_on_node0 = sum(1 for m in range(topology.ring_size) if nodes[m * topology.ulysses_size] == nodes[0])
+    tokens_per_rank = -(-sum(doc_lengths) // cp)
+    segments = sequence_aware_placement(doc_lengths, ring_size=topology.ring_size, ulysses_size=topology.ulysses_size,
+                                        ring_members_per_node=members_on_node0, tokens_per_rank=tokens_per_rank)
+    return segments, tokens_per_rank
+
+
+@lru_cache(maxsize=64)
+def _cached_plan_data(doc_lengths: Tuple[int, ...], topology_signature: tuple, layout: str) -> _PlanData:
+    cp, ulysses, nodes = topology_signature
+    topology = CPTopology(cp_size=cp, ulysses_size=ulysses, node_of_cp_rank=nodes)
+    segments, tokens_per_rank = _place(doc_lengths, topology, layout)
+    check_layout(segments, doc_lengths, tokens_per_rank)
+    data = _PlanData(doc_lengths, layout, cp, ulysses, tuple(tuple(s) for s in segments), tokens_per_rank)
+    data.pieces = member_pieces(data.rank_segments, tokens_per_rank, ulysses)
+    return data
+
+
+def plan_batch(cu_seqlens: torch.Tensor, topology: CPTopology, layout: str = "zigzag") -> "BatchPlan":
+    """Plan one packed batch.
+
+    cu_seqlens: int ``[num_docs + 1]`` boundaries of the *global* packed batch (the same
+    on every rank; zero-length documents allowed). topology: from ``get_cp_topology()``
+    or ``CPTopology.offline(...)``. layout: 'zigzag', 'contiguous' or 'sequence-aware'.
+    """
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout={layout!r} is not supported; allowed values: {', '.join(map(repr, LAYOUTS))}")
+    if not isinstance(topology, CPTopology):
+        raise ValueError(f"topology must be a CPTopology, got {type(topology).__name__}")
+    lengths = validate_cu_seqlens(cu_seqlens)
+    return BatchPlan(_cached_plan_data(lengths, topology.signature(), layout), topology)
+
+
+class BatchPlan:
+    """Where this batch's tokens live on the CP ranks, and how attention moves them.
+
+    Every CP rank holds ``tokens_per_rank`` slots: its segments (in order), then padding.
+    Local tensors handed to attention and to the rest of the model are laid out that way.
+    """
+
+    def __init__(self, data: _PlanData, topology: CPTopology) -> None:
+        self._data = data
+        self.topology = topology
+        self._local: Optional[Tuple[torch.Tensor, torch.Tensor]] = None
+
+    # ---- layout -------------------------------------------------------------------------
+    @property
+    def layout(self) -> str:
+        return self._data.layout
+
+    @property
+    def doc_lengths(self) -> Tuple[int, ...]:
+        return self._data.doc_lengths
+
+    @property
+    def total_tokens(self) -> int:
+        return sum(self._data.doc_lengths)
+
+    @property
+    def tokens_per_rank(self) -> int:
+        return self._data.tokens_per_rank
+
+    @property
+    def rank_segments(self) -> Tuple[Tuple[Segment, ...], ...]:
+        return self._data.rank_segments
+
+    def _rank(self, rank: Optional[int]) -> int:
+        rank = self.topology.cp_rank if rank is None else rank
+        if rank is None:
+            raise ValueError("this plan's topology is offline: pass rank= explicitly")
+        return rank
+
+    def global_indices_of(self, rank: Optional[int] = None) -> torch.Tensor:
+        """int64 ``[tokens_per_rank]``: global packed index of each local slot, -1 on padding."""
+        doc_starts = [0]
+        for n in self._data.doc_lengths:
+            doc_starts.append(doc_starts[-1] + n)
+        out = torch.full((self.tokens_per_rank,), -1, dtype=torch.int64)
+        offset = 0
+        for doc, start, end in self._data.rank_segments[self._rank(rank)]:
+            out[offset:offset + end - start] = torch.arange(doc_starts[doc] + start, doc_starts[doc] + end)
+            offset += end - start
+        return out
+
+    def position_ids_of(self, rank: Optional[int] = None) -> torch.Tensor:
+        """int64 ``[tokens_per_rank]``: in-document position of each local slot (0 on padding)."""
+        out = torch.zeros(self.tokens_per_rank, dtype=torch.int64)
+        offset = 0
+        for _, start, end in self._data.rank_segments[self._rank(rank)]:
+            out[offset:offset + end - start] = torch.arange(start, end)
+            offset += end - start
+        return out
+
+    def _local_tables(self) -> Tuple[torch.Tensor, torch.Tensor]:
+        if self._local is None:
+            self._local = (self.global_indices_of(), self.position_ids_of())
+        return self._local
+
+    @property
+    def global_indices(self) -> torch.Tensor:
+        return self._local_tables()[0]
+
+    @property
+    def position_ids(self) -> torch.Tensor:
+        """This rank's in-document positions ``[tokens_per_rank]`` (for RoPE)."""
+        return self._local_tables()[1]
+
+    @property
+    def valid_mask(self) -> torch.Tensor:
+        """bool ``[tokens_per_rank]``: False on padding slots (mask their loss)."""
+        return self.global_indices >= 0
+
+    @property
+    def num_padding_tokens(self) -> int:
+        return self.tokens_per_rank - sum(e - s for _, s, e in self._data.rank_segments[self._rank(None)])
+
+    def shard(self, x: torch.Tensor, dim: int = 0) -> torch.Tensor:
+        """This rank's part of a global tensor whose ``dim`` has the packed length; zeros on padding."""
+        if x.shape[dim] != self.total_tokens:
+            raise ValueError(f"x.shape[{dim}]={x.shape[dim]} does not match the packed length {self.total_tokens} "
+                             "given by cu_seqlens[-1]")
+        index = self.global_indices.to(x.device)
+        valid = index >= 0
+        local = x.index_select(dim, index.clamp(min=0))
+        if not bool(valid.all()):
+            shape = [1] * x.dim()
+            shape[dim] = -1
+            local = local * valid.view(shape).to(local.dtype)
+        return local
+
+    def unshard(self, x_local: torch.Tensor, dim: int = 0) -> torch.Tensor:
+        """Reassemble the global tensor on every rank (collective over the CP group; not differentiable)."""
+        if x_local.shape[dim] != self.tokens_per_rank:
+            raise ValueError(f"x_local.shape[{dim}]={x_local.shape[dim]} must equal tokens_per_rank={self.tokens_per_rank}")
+        x_local = x_local.detach().movedim(dim, 0).contiguous()
+        cp = self.topology.cp_size
+        if cp == 1:
+            gathered = [x_local]
+        else:
+            if self.topology.cp_group is None:
+                raise ValueError("unshard needs an online topology (process groups); this plan's topology is offline")
+            gathered = [torch.empty_like(x_local) for _ in range(cp)]
+            dist.all_gather(gathered, x_local, group=self.topology.cp_group)
+        out = x_local.new_zeros((self.total_tokens,) + tuple(x_local.shape[1:]))
+        for rank in range(cp):
+            index = self.global_indices_of(rank).to(x_local.device)
+            valid = index >= 0
+            out[index[valid]] = gathered[rank][valid]
+        return out.movedim(0, dim)
+
+    # ---- attention schedule ------------------------------------------------------------------
+    def member_schedule(self, causal: bool, member: Optional[int] = None) -> MemberSchedule:
+        """What ring member ``member`` (default: this rank's) computes and exchanges."""
+        member = self.topology.ring_rank if member is None else member
+        if member is None:
+            raise ValueError("this plan's topology is offline: pass member= explicitly")
+        return self._data.schedule(member, bool(causal))
+
+    # ---- predicted statistics ---------------------------------------------------------------
+    def stats(self, num_heads_q: int, num_heads_kv: int, head_dim: int, dtype: torch.dtype = torch.bfloat16,
+              causal: bool = True) -> PlanStats:
+        """Predicted per-rank figures of one layer's attention forward (plain Ulysses stages).
+
+        attn_flops = 4 * mask area * heads per rank * head_dim; bytes count the Ulysses
+        all-to-alls (q, k, v in and the output back) and the ring's key/value exchanges.
+        Computed from the placement alone (not from the compiled blocks), so tests can check
+        the compiled schedule and the measured traffic against it.
+        """
+        topo = self.topology
+        ulysses, ring, cp = topo.ulysses_size, topo.ring_size, topo.cp_size
+        kv_heads = validate_head_counts(num_heads_q, num_heads_kv, ulysses)
+        elem = torch.empty((), dtype=dtype).element_size()
+        pieces = self._data.pieces
+        lengths = self._data.doc_lengths
+        tokens = [sum(e - s for _, s, e in segs) for segs in self._data.rank_segments]
+        padding = [self.tokens_per_rank - n for n in tokens]
+
+        area = [0] * ring
+        for m in range(ring):
+            for doc, doc_pieces in pieces[m].items():
+                for _, q0, q1 in doc_pieces:
+                    area[m] += (q0 + 1 + q1) * (q1 - q0) // 2 if causal else (q1 - q0) * lengths[doc]
+        flops = [4 * area[c // ulysses] * (num_heads_q // ulysses) * head_dim for c in range(cp)]
+
+        send_intra, send_inter = [0] * cp, [0] * cp
+        recv_intra, recv_inter = [0] * cp, [0] * cp
+
+        def add(src: int, dst: int, nbytes: int) -> None:
+            if nbytes == 0:
+                return
+            if topo.same_node(src, dst):
+                send_intra[src] += nbytes
+                recv_intra[dst] += nbytes
+            else:
+                send_inter[src] += nbytes
+                recv_inter[dst] += nbytes
+
+        a2a_bytes = self.tokens_per_rank * head_dim * elem * (2 * num_heads_q + 2 * kv_heads) // ulysses
+        for c in range(cp):
+            member = c // ulysses
+            for peer in topo.ring_member_ranks(member):
+                if peer != c:
+                    add(c, peer, a2a_bytes)
+        row_bytes = 2 * (kv_heads // ulysses) * head_dim * elem
+        for a in range(ring):
+            for b in range(ring):
+                if a != b:
+                    rows = needed_rows(pieces[a], pieces[b], causal)
+                    for u in range(ulysses):
+                        add(b * ulysses + u, a * ulysses + u, rows * row_bytes)
+        return PlanStats(tokens, padding, flops, send_intra, send_inter, recv_intra, recv_inter)
+
+
+def needed_rows(q_docs: Dict[int, List[Piece]], k_docs: Dict[int, List[Piece]], causal: bool) -> int:
+    """Key rows of ``k_docs``' member that ``q_docs``' member attends to: keys before its last query."""
+    rows = 0
+    for doc, q_pieces in q_docs.items():
+        k_pieces = k_docs.get(doc)
+        if not k_pieces:
+            continue
+        limit = max(q1 for _, _, q1 in q_pieces) if causal else None
+        for _, k0, k1 in k_pieces:
+            rows += max(0, (k1 if limit is None else min(k1, limit)) - k0)
+    return rows
+
+
+def validate_head_counts(num_heads_q: int, num_heads_kv: int, ulysses_size: int) -> int:
+    """KV heads after replication for the all-to-all (KV heads are replicated when fewer than the Ulysses size)."""
+    if num_heads_kv < 1 or num_heads_q % num_heads_kv != 0:
+        raise ValueError(f"num_heads_q={num_heads_q} must be a multiple of num_heads_kv={num_heads_kv}")
+    if num_heads_q % ulysses_size != 0:
+        raise ValueError(f"num_heads_q={num_heads_q} (per TP rank) must be divisible by ulysses_size={ulysses_size}")
+    if num_heads_kv >= ulysses_size:
+        if num_heads_kv % ulysses_size != 0:
+            raise ValueError(f"num_heads_kv={num_heads_kv} (per TP rank) must be divisible by ulysses_size={ulysses_size}, "
+                             f"or divide it (KV heads are then replicated)")
+        return num_heads_kv
+    if ulysses_size % num_heads_kv != 0:
+        raise ValueError(f"num_heads_kv={num_heads_kv} (per TP rank) must divide ulysses_size={ulysses_size} "
+                         "so KV heads can be replicated evenly")
+    return ulysses_size
