@@ -56,54 +56,71 @@ def _empty_result(q: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
                        device=q.device))
 
 
+def ring_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, schedule: MemberSchedule,
+                           topology: CPTopology, kernel: AttentionKernel,
+                           softmax_scale: float) -> Tuple[torch.Tensor, torch.Tensor]:
+    """q ``[t_m, h_q', d]``, k/v ``[t_m, h_kv', d]``: this rank's head slice of its member buffer.
+    Returns out ``[t_m, h_q', d]`` in q's dtype and lse ``[h_q', t_m]`` (fp32; fp64 for fp64 inputs)."""
+    out, lse = _empty_result(q)
+    if len(schedule.local_blocks):
+        part_out, part_lse = kernel.forward(q, k, v, schedule.local_blocks, softmax_scale)
+        out, lse = merge_partial_attention(out, lse.to(part_lse.dtype), part_out, part_lse)
+    kv = torch.stack((k, v), dim=1)  # [t_m, 2, h_kv', d]: one message per exchange
+    for _, recv, _, received in _Exchanges(schedule, topology, kv, "ring_kv"):
+        if recv is not None:
+            part_out, part_lse = kernel.forward(q, received[:, 0], received[:, 1], recv.blocks, softmax_scale)
+            out, lse = merge_partial_attention(out, lse, part_out, part_lse)
+    return out.to(q.dtype), lse
+
+
+def ring_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                            out: torch.Tensor, lse: torch.Tensor, schedule: MemberSchedule, topology: CPTopology,
+                            kernel: AttentionKernel, softmax_scale: float
+                            ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients of ``ring_attention_forward`` (same layouts), accumulated in fp32/fp64, returned in input dtypes."""
+    dout = dout.contiguous()
+    acc = _acc_dtype(q.dtype)
+    dq = torch.zeros(q.shape, dtype=acc, device=q.device)
+    dkv = torch.zeros((k.shape[0], 2) + tuple(k.shape[1:]), dtype=acc, device=k.device)
+    if len(schedule.local_blocks):
+        g_q, g_k, g_v = kernel.backward(dout, q, k, v, out, lse, schedule.local_blocks, softmax_scale)
+        dq += g_q
+        dkv[:, 0] += g_k
+        dkv[:, 1] += g_v
+    kv = torch.stack((k, v), dim=1)
+    grads_in_flight = []
+    for distance, recv, send, received in _Exchanges(schedule, topology, kv, "ring_kv_bwd"):
+        grad_rows: Optional[torch.Tensor] = None
+        if recv is not None:
+            g_q, g_k, g_v = kernel.backward(dout, q, received[:, 0], received[:, 1], out, lse, recv.blocks,
+                                            softmax_scale)
+            dq += g_q
+            grad_rows = torch.stack((g_k, g_v), dim=1).to(k.dtype)
+        pending = start_exchange(topology, grad_rows, None if recv is None else recv.src_member,
+                                 None if send is None else (send.rows.num_rows,) + tuple(kv.shape[1:]),
+                                 None if send is None else send.dst_member, k.dtype, k.device, "ring_dkv",
+                                 tag=2 * distance + 1)
+        grads_in_flight.append((send, pending))
+    for send, pending in grads_in_flight:
+        returned = pending.wait()
+        if send is not None:
+            send.rows.scatter_add_(dkv, returned.to(acc))
+    return dq.to(q.dtype), dkv[:, 0].to(k.dtype), dkv[:, 1].to(v.dtype)
+
+
 class RingAttention(torch.autograd.Function):
-    """q ``[t_m, h_q', d]``, k/v ``[t_m, h_kv', d]``: this rank's head slice of its member buffer."""
+    """Differentiable ``ring_attention_forward`` (layouts as there)."""
 
     @staticmethod
     def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, schedule: MemberSchedule,
                 topology: CPTopology, kernel: AttentionKernel, softmax_scale: float) -> torch.Tensor:
-        out, lse = _empty_result(q)
-        if len(schedule.local_blocks):
-            part_out, part_lse = kernel.forward(q, k, v, schedule.local_blocks, softmax_scale)
-            out, lse = merge_partial_attention(out, lse.to(part_lse.dtype), part_out, part_lse)
-        kv = torch.stack((k, v), dim=1)  # [t_m, 2, h_kv', d]: one message per exchange
-        for _, recv, _, received in _Exchanges(schedule, topology, kv, "ring_kv"):
-            if recv is not None:
-                part_out, part_lse = kernel.forward(q, received[:, 0], received[:, 1], recv.blocks, softmax_scale)
-                out, lse = merge_partial_attention(out, lse, part_out, part_lse)
-        out = out.to(q.dtype)
+        out, lse = ring_attention_forward(q, k, v, schedule, topology, kernel, softmax_scale)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.schedule, ctx.topology, ctx.kernel, ctx.scale = schedule, topology, kernel, softmax_scale
+        ctx.args = (schedule, topology, kernel, softmax_scale)
         return out
 
     @staticmethod
     def backward(ctx, dout: torch.Tensor):
         q, k, v, out, lse = ctx.saved_tensors
-        schedule, topology, kernel, scale = ctx.schedule, ctx.topology, ctx.kernel, ctx.scale
-        dout = dout.contiguous()
-        acc = _acc_dtype(q.dtype)
-        dq = torch.zeros(q.shape, dtype=acc, device=q.device)
-        dkv = torch.zeros((k.shape[0], 2) + tuple(k.shape[1:]), dtype=acc, device=k.device)
-        if len(schedule.local_blocks):
-            g_q, g_k, g_v = kernel.backward(dout, q, k, v, out, lse, schedule.local_blocks, scale)
-            dq += g_q
-            dkv[:, 0] += g_k
-            dkv[:, 1] += g_v
-        kv = torch.stack((k, v), dim=1)
-        grads_in_flight = []
-        for distance, recv, send, received in _Exchanges(schedule, topology, kv, "ring_kv_bwd"):
-            grad_rows: Optional[torch.Tensor] = None
-            if recv is not None:
-                g_q, g_k, g_v = kernel.backward(dout, q, received[:, 0], received[:, 1], out, lse, recv.blocks, scale)
-                dq += g_q
-                grad_rows = torch.stack((g_k, g_v), dim=1).to(k.dtype)
-            pending = start_exchange(topology, grad_rows, None if recv is None else recv.src_member,
-                                     None if send is None else (send.rows.num_rows,) + tuple(kv.shape[1:]),
-                                     None if send is None else send.dst_member, k.dtype, k.device, "ring_dkv",
-                                     tag=2 * distance + 1)
-            grads_in_flight.append((send, pending))
-        for send, pending in grads_in_flight:
-            returned = pending.wait()
-            if send is not None:
-                send.rows.scatter_add_(dkv, returned.to(acc))
-        return dq.to(q.dtype), dkv[:, 0].to(k.dtype), dkv[:, 1].to(v.dtype), None, None, None, None
+        dq, dk, dv = ring_attention_backward(dout, q, k, v, out, lse, *ctx.args)
+        return dq, dk, dv, None, None, None, None

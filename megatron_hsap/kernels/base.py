@@ -73,7 +73,7 @@ class AttentionKernel(Protocol):
 
     Layouts: q ``[t_q, h_q, d]``, k/v ``[t_k, h_kv, d]`` with ``h_q % h_kv == 0``
     (query head j uses KV head ``j // (h_q // h_kv)``); out ``[t_q, h_q, d]`` in
-    q's dtype; lse ``[h_q, t_q]`` float32 (natural log of the softmax denominator
+    q's dtype; lse ``[h_q, t_q]`` float32, float64 for fp64 inputs (natural log of the softmax denominator
     after scaling). All tensors live on this rank and describe this rank's data.
     """
 

@@ -1,0 +1,130 @@
+"""Compiled schedules, checked offline: every member's blocks cover exactly the document mask.
+
+No processes: for an offline topology, each member's local and received blocks are
+mapped back to global token indices (through the sender's row ranges) and compared
+with the dense document mask of ``tests/reference.py``. Also checks that
+``BatchPlan.stats`` predicts exactly what the schedule moves.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from megatron_hsap.parallel_state import CPTopology
+from megatron_hsap.sequence.doc_lengths import cu_seqlens_from_lengths
+from megatron_hsap.sequence.plan import plan_batch
+from tests.reference import blocks_mask, document_mask, hard_cases
+
+LAYOUTS = ("zigzag", "contiguous", "sequence-aware")
+
+
+def _member_rows(plan, member: int) -> torch.Tensor:
+    """Global index of every row of a member buffer (-1 on padding)."""
+    topo = plan.topology
+    return torch.cat([plan.global_indices_of(c) for c in topo.ring_member_ranks(member)])
+
+
+def _check_plan(lengths, topo: CPTopology, layout: str, causal: bool) -> None:
+    cu = cu_seqlens_from_lengths(lengths)
+    plan = plan_batch(cu, topo, layout)
+    total = sum(lengths)
+    reference = document_mask(cu, total, causal)
+    rows_needed = {}
+    for member in range(topo.ring_size):
+        schedule = plan.member_schedule(causal, member)
+        q_rows = _member_rows(plan, member)
+        covered = torch.zeros(len(q_rows), total, dtype=torch.int64)
+        local = blocks_mask(schedule.local_blocks, len(q_rows), len(q_rows))
+        valid = q_rows >= 0
+        covered[:, q_rows[valid]] += local[:, valid].long()
+        for recv in schedule.recv_steps:
+            src_schedule = plan.member_schedule(causal, recv.src_member)
+            send = next(s for s in src_schedule.send_steps if s.dst_member == member)
+            assert send.distance == recv.distance and send.rows.num_rows == recv.num_rows
+            sent_rows = send.rows.gather(_member_rows(plan, recv.src_member))
+            assert bool((sent_rows >= 0).all()), "padding rows must never be sent"
+            mask = blocks_mask(recv.blocks, len(q_rows), recv.num_rows)
+            covered[:, sent_rows] += mask.long()
+            rows_needed[(recv.src_member, member)] = recv.num_rows
+        assert covered.numel() == 0 or int(covered.max()) <= 1, "a key is attended twice by one query"
+        expected = torch.zeros_like(covered)
+        expected[valid] = reference[q_rows[valid]].long()
+        assert torch.equal(covered, expected), f"member {member}: blocks do not match the document mask"
+    # stats: all-to-all bytes (q, k, v in, output back) plus exactly the rows the schedule receives
+    h_q, h_kv, d, elem, u = 24, 12, 8, 4, topo.ulysses_size
+    stats = plan.stats(h_q, h_kv, d, torch.float32, causal=causal)
+    a2a = (u - 1) * plan.tokens_per_rank * d * elem * (2 * h_q + 2 * h_kv) // u
+    row_bytes = 2 * (h_kv // u) * d * elem
+    for c in range(topo.cp_size):
+        member = c // u
+        ring_rows = sum(n for (src, dst), n in rows_needed.items() if dst == member)
+        assert stats.recv_bytes_intra[c] + stats.recv_bytes_inter[c] == a2a + ring_rows * row_bytes
+
+
+@pytest.mark.parametrize("cp,ulysses,ranks_per_node", [(2, 1, 2), (4, 1, 2), (4, 2, 4), (6, 3, 3), (8, 4, 4),
+                                                       (8, 1, 4), (8, 2, 2)])
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_blocks_cover_document_mask_on_hard_cases(cp, ulysses, ranks_per_node, layout):
+    topo = CPTopology.offline(cp, ulysses, ranks_per_node)
+    for name, lengths in hard_cases(cp).items():
+        for causal in (True, False):
+            _check_plan(lengths, topo, layout, causal)
+
+
+@settings(max_examples=40, deadline=None)
+@given(lengths=st.lists(st.integers(0, 70), min_size=1, max_size=12),
+       shape=st.sampled_from([(2, 1, 1), (4, 2, 2), (4, 1, 2), (8, 2, 4), (8, 4, 4), (8, 1, 8), (6, 2, 2)]),
+       layout=st.sampled_from(LAYOUTS), causal=st.booleans())
+def test_blocks_cover_document_mask_property(lengths, shape, layout, causal):
+    cp, ulysses, ranks_per_node = shape
+    if sum(lengths) == 0:
+        lengths = lengths + [1]
+    _check_plan(lengths, CPTopology.offline(cp, ulysses, ranks_per_node), layout, causal)
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "sequence-aware"])
+def test_short_documents_move_nothing_in_a_ring(layout):
+    """Documents that each fit on one rank: no exchange is scheduled at all (sequence-aware places them whole)."""
+    topo = CPTopology.offline(4, 1, 2)
+    lengths = [8] * 32
+    plan = plan_batch(cu_seqlens_from_lengths(lengths), topo, layout)
+    for member in range(4):
+        schedule = plan.member_schedule(True, member)
+        assert schedule.recv_steps == () and schedule.send_steps == ()
+    stats = plan.stats(8, 8, 64, torch.bfloat16)
+    assert sum(stats.send_bytes_intra) + sum(stats.send_bytes_inter) == 0
+
+
+def test_zigzag_sends_only_needed_halves():
+    """One document in zigzag over 4 ranks: a lower rank never needs a higher rank's second chunk."""
+    topo = CPTopology.offline(4, 1, 4)
+    plan = plan_batch(cu_seqlens_from_lengths([64]), topo, "zigzag")
+    chunk = 8
+    for member in range(4):
+        for recv in plan.member_schedule(True, member).recv_steps:
+            assert recv.num_rows == (chunk if recv.src_member < member else 2 * chunk)
+
+
+def test_plans_are_cached_by_length_signature():
+    topo = CPTopology.offline(4, 2, 4)
+    a = plan_batch(cu_seqlens_from_lengths([5, 9, 2]), topo, "zigzag")
+    b = plan_batch(torch.tensor([0, 5, 14, 16], dtype=torch.int64), topo, "zigzag")
+    assert a._data is b._data
+    assert plan_batch(cu_seqlens_from_lengths([5, 9, 3]), topo, "zigzag")._data is not a._data
+
+
+def test_zigzag_padding_and_positions():
+    topo = CPTopology.offline(2, 1, 2)
+    plan = plan_batch(cu_seqlens_from_lengths([5, 0, 3]), topo, "zigzag")
+    # 2C = 4 chunks per document. doc 0 (5 tokens): chunk 2 -> [0,2) [2,4) [4,5) [empty];
+    # doc 2 (3 tokens): chunk 1 -> [0,1) [1,2) [2,3) [empty]. Rank 0 keeps chunks 0 and 3, rank 1 chunks 1 and 2.
+    assert plan.tokens_per_rank == 2 * 2 + 2 * 1
+    assert plan.rank_segments == (((0, 0, 2), (2, 0, 1)), ((0, 2, 4), (0, 4, 5), (2, 1, 2), (2, 2, 3)))
+    assert plan.position_ids_of(0).tolist() == [0, 1, 0, 0, 0, 0]
+    assert plan.global_indices_of(0).tolist() == [0, 1, 5, -1, -1, -1]
+    assert plan.global_indices_of(1).tolist() == [2, 3, 4, 6, 7, -1]
+    stats = plan.stats(2, 2, 4, torch.float32)
+    assert stats.padding_tokens == [3, 1] and stats.tokens == [3, 5]
