@@ -1,0 +1,211 @@
+#!/usr/bin/env python
+"""Benchmark context-parallel attention modes on CPU ranks (gloo); prints figures, asserts nothing.
+
+For each mode it reports per rank: forward+backward time (median of --repeats),
+bytes sent intra-/inter-node in one forward+backward, peak tracked live memory,
+and the max error against an independent fp64 reference (per-document SDPA) on a
+small problem. Where DeepSpeed is installed, its Ulysses ``DistributedAttention``
+wrapping SDPA runs the same problem (a block-diagonal mask for packed batches) and
+the time ratio is printed.
+
+    python tools/bench_attention.py --ranks 4 --ranks-per-node 2 --seq-len 4096 --docs buckets
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import statistics
+import sys
+import time
+from typing import Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from megatron_hsap.attention import context_parallel_attention  # noqa: E402
+from megatron_hsap.config import ContextParallelConfig  # noqa: E402
+from megatron_hsap.instrumentation import count_comm  # noqa: E402
+from megatron_hsap.instrumentation.memory import track_peak_memory  # noqa: E402
+from megatron_hsap.reference import sdpa_reference  # noqa: E402
+from megatron_hsap.parallel_state import destroy_model_parallel, initialize_model_parallel  # noqa: E402
+from megatron_hsap.sequence.doc_lengths import (cu_seqlens_from_lengths, pack_lengths,  # noqa: E402
+                                                sample_doc_lengths, stdlib_doc_lengths)
+from megatron_hsap.sequence.plan import plan_batch  # noqa: E402
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
+
+
+def doc_lengths_for(kind: str, total: int, seed: int) -> List[int]:
+    if kind == "single":
+        return [total]
+    if kind == "buckets":
+        return sample_doc_lengths(total, seed=seed, max_doc_len=max(1, total // 4))
+    if kind == "stdlib":
+        return pack_lengths(stdlib_doc_lengths(), total, offset=seed)
+    raise ValueError(f"--docs={kind!r} is not supported; allowed values: 'single', 'buckets', 'stdlib'")
+
+
+def _time_fwd_bwd(fn, repeats: int) -> float:
+    times = []
+    for _ in range(repeats + 1):  # the first run warms caches and plans
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times[1:])
+
+
+def _bench_mode(args, mode: str, lengths: List[int]) -> Dict[str, float]:
+    world = dist.get_world_size()
+    ulysses = args.ulysses_size if mode in ("hybrid", "hsap") else None
+    topo = initialize_model_parallel(context_parallel_size=world, ranks_per_node=args.ranks_per_node,
+                                     cp_config=ContextParallelConfig(mode=mode, ulysses_size=ulysses,
+                                                                     kernel="torch"))
+    dtype = DTYPES[args.dtype]
+    try:
+        plan = plan_batch(cu_seqlens_from_lengths(lengths), topo, args.layout)
+        gen = torch.Generator().manual_seed(dist.get_rank())
+        t = plan.tokens_per_rank
+        q = torch.randn(t, args.heads, args.head_dim, generator=gen).to(dtype).requires_grad_()
+        k = torch.randn(t, args.kv_heads, args.head_dim, generator=gen).to(dtype).requires_grad_()
+        v = torch.randn(t, args.kv_heads, args.head_dim, generator=gen).to(dtype).requires_grad_()
+
+        def step():
+            context_parallel_attention(q, k, v, plan).float().pow(2).sum().backward()
+
+        seconds = _time_fwd_bwd(step, args.repeats)
+        with count_comm() as comm, track_peak_memory() as mem:
+            step()
+        error = _check_error(topo, args, mode)
+        return {"time_s": seconds, "send_intra_MB": comm.send_bytes_intra / 2**20,
+                "send_inter_MB": comm.send_bytes_inter / 2**20, "peak_MB": mem.peak_bytes / 2**20,
+                "max_err": error, "ulysses": topo.ulysses_size, "padding": plan.num_padding_tokens}
+    finally:
+        destroy_model_parallel()
+
+
+def _check_error(topo, args, mode: str) -> float:
+    """Max abs error on a small packed fp64 problem against ``sdpa_reference`` (same on every rank)."""
+    lengths = [37, 1, 0, 90, 5, 123]
+    plan = plan_batch(cu_seqlens_from_lengths(lengths), topo, args.layout)
+    gen = torch.Generator().manual_seed(7)
+    total = sum(lengths)
+    heads = max(args.heads // args.kv_heads, 1) * topo.ulysses_size
+    q = torch.randn(total, heads, 16, generator=gen, dtype=torch.float64)
+    k = torch.randn(total, topo.ulysses_size, 16, generator=gen, dtype=torch.float64)
+    v = torch.randn(total, topo.ulysses_size, 16, generator=gen, dtype=torch.float64)
+    out = plan.unshard(context_parallel_attention(plan.shard(q), plan.shard(k), plan.shard(v), plan))
+    return (out - sdpa_reference(q, k, v, lengths)).abs().max().item()
+
+
+def _bench_deepspeed(args, lengths: List[int]) -> Optional[float]:
+    """DeepSpeed Ulysses over SDPA on the same problem (contiguous split, block-diagonal causal mask)."""
+    try:
+        from deepspeed.sequence.layer import DistributedAttention
+    except Exception:  # not installed, or fails to import on this machine
+        return None
+    world, rank = dist.get_world_size(), dist.get_rank()
+    total = sum(lengths)
+    if total % world or args.heads % world or args.kv_heads != args.heads:
+        return None
+    doc = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
+    mask = (doc[:, None] == doc[None, :]).tril() if len(lengths) > 1 else None
+
+    def local_attention(q, k, v, *unused_args, **unused_kwargs):  # [s, b, h, d] -> [s, b, h, d]
+        q, k, v = (x.permute(1, 2, 0, 3) for x in (q, k, v))
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None)
+        return out.permute(2, 0, 1, 3)
+
+    attention = DistributedAttention(local_attention, dist.group.WORLD, scatter_idx=2, gather_idx=0)
+    dtype = DTYPES[args.dtype]
+    gen = torch.Generator().manual_seed(rank)
+    s = total // world
+    q, k, v = (torch.randn(s, 1, args.heads, args.head_dim, generator=gen).to(dtype).requires_grad_()
+               for _ in range(3))
+    return _time_fwd_bwd(lambda: attention(q, k, v, 1).float().pow(2).sum().backward(), args.repeats)
+
+
+def _worker(rank: int, args, port: int, queue) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(args.threads)
+    dist.init_process_group("gloo", rank=rank, world_size=args.ranks)
+    lengths = doc_lengths_for(args.docs, args.seq_len, args.seed)
+    results = {mode: _bench_mode(args, mode, lengths) for mode in args.modes}
+    ds = _bench_deepspeed(args, lengths)
+    queue.put((rank, results, ds))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def main(argv: Optional[List[str]] = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--ranks", type=int, default=4)
+    parser.add_argument("--ranks-per-node", type=int, default=2, help="emulated node size (CPU ranks)")
+    parser.add_argument("--modes", default="ring,ulysses,hybrid", help="comma-separated subset of ring,ulysses,hybrid")
+    parser.add_argument("--ulysses-size", type=int, default=None, help="Ulysses degree for hybrid (default: node)")
+    parser.add_argument("--seq-len", type=int, default=4096)
+    parser.add_argument("--heads", type=int, default=8)
+    parser.add_argument("--kv-heads", type=int, default=8)
+    parser.add_argument("--head-dim", type=int, default=64)
+    parser.add_argument("--docs", default="single", choices=["single", "buckets", "stdlib"])
+    parser.add_argument("--layout", default="zigzag", choices=["zigzag", "contiguous", "sequence-aware"])
+    parser.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    args.modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    for mode in args.modes:
+        if mode not in ("ring", "ulysses", "hybrid"):
+            parser.error(f"--modes: {mode!r} is not one of ring, ulysses, hybrid")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=_worker, args=(r, args, port, queue)) for r in range(args.ranks)]
+    for p in procs:
+        p.start()
+    rows = []
+    while len(rows) < len(procs):
+        try:
+            rows.append(queue.get(timeout=5))
+        except Exception:  # queue.Empty: check that no rank died
+            failed = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
+            if failed:
+                for p in procs:
+                    p.kill()
+                raise SystemExit(f"bench_attention: rank(s) {failed} failed; see the traceback above")
+    rows.sort(key=lambda row: row[0])
+    for p in procs:
+        p.join()
+    lengths = doc_lengths_for(args.docs, args.seq_len, args.seed)
+    print(f"# {args.ranks} ranks ({args.ranks_per_node} per node), seq {args.seq_len} ({len(lengths)} docs, "
+          f"{args.docs}), heads {args.heads}/{args.kv_heads} x {args.head_dim}, {args.dtype}, layout {args.layout}, "
+          f"{args.threads} thread(s)/rank, median of {args.repeats}")
+    print(f"{'mode':8} {'rank':>4} {'U':>2} {'fwd+bwd s':>10} {'intra MB':>9} {'inter MB':>9} {'peak MB':>8} "
+          f"{'pad':>5} {'max err':>9}")
+    for mode in args.modes:
+        for rank, results, _ in rows:
+            r = results[mode]
+            print(f"{mode:8} {rank:>4} {r['ulysses']:>2} {r['time_s']:>10.3f} {r['send_intra_MB']:>9.2f} "
+                  f"{r['send_inter_MB']:>9.2f} {r['peak_MB']:>8.1f} {r['padding']:>5} {r['max_err']:>9.1e}")
+    ds_times = [ds for _, _, ds in rows]
+    if all(t is not None for t in ds_times):
+        ds_time = max(ds_times)
+        print(f"DeepSpeed Ulysses (SDPA{', block-diagonal mask' if len(lengths) > 1 else ''}): "
+              f"{ds_time:.3f} s (slowest rank)")
+        for mode in args.modes:
+            ours = max(results[mode]["time_s"] for _, results, _ in rows)
+            print(f"time ratio {mode} / DeepSpeed Ulysses: {ours / ds_time:.2f}")
+    else:
+        print("DeepSpeed not installed (or problem not supported by it): no comparison")
+
+
+if __name__ == "__main__":
+    main()
