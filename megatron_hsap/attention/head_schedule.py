@@ -136,7 +136,8 @@ def build_head_schedule(num_heads_q: int, num_heads_kv: int, ulysses_size: int, 
     P divides H, H_kv and P divide one another, U is a multiple of P and U divides H.
     """
     h, h_kv, p, u = (_check_int(n, v) for n, v in (("num_heads_q", num_heads_q), ("num_heads_kv", num_heads_kv),
-                                                     ("ulysses_size", ulysses_size), ("head_chunk_size", head_chunk_size)))
+                                                     ("ulysses_size", ulysses_size),
+                                                     ("head_chunk_size", head_chunk_size)))
     if h % h_kv != 0:
         raise ValueError(f"num_heads_kv={h_kv} must divide num_heads_q={h}; allowed num_heads_kv: "
                          f"{[k for k in range(1, h + 1) if h % k == 0]}")

@@ -130,7 +130,7 @@ class _Stages:
     def __init__(self, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], plan: BatchPlan,
                  schedule: HeadSchedule, head_dim: int, rope: Optional[_Rope], causal: bool, scale: float) -> None:
         self.x, self.weight, self.bias = x, weight, bias  # x [t_local, hidden]
-        self.plan, self.topo, self.schedule = plan, plan.topology, schedule
+        self.topo, self.schedule = plan.topology, schedule
         self.d, self.rope, self.scale = head_dim, rope, scale
         self.member = plan.member_schedule(causal)
         self.kernel = get_kernel(self.topo.config.kernel)
@@ -138,12 +138,11 @@ class _Stages:
         p, m = schedule.ulysses_size, schedule.heads_per_rank
         most_kv = max(len(s.new_kv[0]) for s in schedule.stages)
         # One projection buffer for every stage (its heads vary only in the number of new KV heads).
-        self._proj = x.new_empty(x.shape[0] * p * (m + 2 * most_kv) * head_dim)
+        self._proj = x.new_empty(p * (m + 2 * most_kv) * x.shape[0] * head_dim)
 
-    def rows(self, units: List[int]) -> torch.Tensor:
-        """Weight rows of head units (``head_dim`` rows each)."""
-        u = torch.tensor(units, dtype=torch.long, device=self.weight.device)
-        return (u[:, None] * self.d + torch.arange(self.d, device=u.device)).reshape(-1)
+    def block(self, unit: int) -> slice:
+        """Rows of one head unit in the fused QKV weight."""
+        return slice(unit * self.d, (unit + 1) * self.d)
 
     def a2a_in(self, packed: torch.Tensor, op: str) -> torch.Tensor:
         """``[t, P, h, d]`` -> ``[P*t, h, d]`` (identity reshape without a Ulysses group)."""
@@ -161,17 +160,20 @@ class _Stages:
         """This rank's stage queries ``[P*t, m, d]`` and its new KV heads {effective id: (k, v) ``[P*t, d]``}."""
         t, p = self.x.shape[0], self.schedule.ulysses_size
         m, n = len(stage.query_heads[0]), len(stage.new_kv[0])
-        rows = self.rows(self.schedule.send_units(stage))
-        proj = self._proj[:rows.numel() * t].view(t, rows.numel())
-        torch.mm(self.x, self.weight.index_select(0, rows).t(), out=proj)
-        if self.bias is not None:
-            proj += self.bias.index_select(0, rows)
-        packed = proj.view(t, p, m + 2 * n, self.d)
+        units = self.schedule.send_units(stage)
+        # Unit-major buffer: each head's projection is one matmul straight from the weight rows, no weight copy.
+        proj = self._proj[:len(units) * t * self.d].view(len(units), t, self.d)
+        for i, unit in enumerate(units):
+            torch.mm(self.x, self.weight[self.block(unit)].t(), out=proj[i])
+            if self.bias is not None:
+                proj[i] += self.bias[self.block(unit)]
+        packed = proj.view(p, m + 2 * n, t, self.d).permute(2, 0, 1, 3)  # [t, P, m + 2n, d]
         if self.rope is not None:
             self.rope.apply_(packed[:, :, :m + n])
         member = self.a2a_in(packed, op)
         q = member[:, :m].contiguous()
-        kv = {j: (member[:, m + i].clone(), member[:, m + n + i].clone()) for i, j in enumerate(stage.new_kv[self.rank])}
+        new = stage.new_kv[self.rank]
+        kv = {j: (member[:, m + i].clone(), member[:, m + n + i].clone()) for i, j in enumerate(new)}
         return q, kv
 
     def attention_kv(self, stage: Stage, live: Dict[int, Tuple[torch.Tensor, torch.Tensor]]
@@ -219,6 +221,7 @@ def _backward(st: _Stages, output: torch.Tensor, grad: torch.Tensor, lses: List[
     """grad/output ``[t, H, d]``; returns (dx ``[t, hidden]``, dweight, dbias) in the inputs' dtypes."""
     acc = torch.float64 if st.x.dtype == torch.float64 else torch.float32
     t, d = st.x.shape[0], st.d
+    x = st.x.to(acc)
     dx = torch.zeros(st.x.shape, dtype=acc, device=st.x.device)
     dweight = torch.zeros(st.weight.shape, dtype=acc, device=st.x.device) if need_weight else None
     dbias = torch.zeros(st.bias.shape, dtype=acc, device=st.x.device) if need_bias else None
@@ -236,8 +239,8 @@ def _backward(st: _Stages, output: torch.Tensor, grad: torch.Tensor, lses: List[
                           grad.index_select(1, index).view(t, -1, m, d)), dim=2)
         pair = st.a2a_in(pair, OP_OUT_BWD)  # [P*t, 2m, d]: stage output, then its gradient
         k, v = st.attention_kv(stage, live)
-        dq, dk, dv = ring_attention_backward(pair[:, m:], q, k, v, pair[:, :m].contiguous(), lse, st.member, st.topo, st.kernel,
-                                             st.scale)
+        dq, dk, dv = ring_attention_backward(pair[:, m:], q, k, v, pair[:, :m].contiguous(), lse, st.member,
+                                             st.topo, st.kernel, st.scale)
         del pair, q, k, v
         for i, j in enumerate(stage.attn_kv[st.rank]):
             dkv[j][:, 0] += dk[:, i]
@@ -252,14 +255,16 @@ def _backward(st: _Stages, output: torch.Tensor, grad: torch.Tensor, lses: List[
         del grads
         if st.rope is not None:
             st.rope.transpose_(back[:, :, :m + len(done)])
-        rows = st.rows(st.schedule.grad_units(stage))
-        dproj = back.reshape(t, rows.numel())
-        dx += (dproj @ st.weight.index_select(0, rows)).to(acc)
-        if dweight is not None:
-            dweight.index_add_(0, rows, (dproj.t() @ st.x).to(acc))
-        if dbias is not None:
-            dbias.index_add_(0, rows, dproj.sum(0).to(acc))
-        del back, dproj
+        width = back.shape[2]
+        for i, unit in enumerate(st.schedule.grad_units(stage)):
+            g = back[:, i // width, i % width].to(acc)  # [t, d]: gradient of one head unit's projection
+            rows = st.block(unit)
+            dx.addmm_(g, st.weight[rows].to(acc))
+            if dweight is not None:
+                dweight[rows].addmm_(g.t(), x)  # replicated KV units appear twice and sum here
+            if dbias is not None:
+                dbias[rows] += g.sum(0)
+        del back
         _log_stage(log, "backward", s, before)
     return (dx.to(st.x.dtype), None if dweight is None else dweight.to(st.weight.dtype),
             None if dbias is None else dbias.to(st.bias.dtype))

@@ -43,18 +43,8 @@ class FlashAttentionKernel(VarlenPassKernel):
     """Local attention with flash-attn 2's varlen forward/backward (one call per varlen pass)."""
 
     name = "flash"
+    probe_module = "flash_attn.flash_attn_interface"
     max_head_dim = 256
-
-    @classmethod
-    def is_available(cls) -> bool:
-        """True when CUDA is usable and ``flash_attn`` imports; never raises."""
-        try:
-            if not torch.cuda.is_available():
-                return False
-            import flash_attn.flash_attn_interface  # noqa: F401
-        except Exception:  # a missing or broken install just means "not available"
-            return False
-        return True
 
     def __init__(self) -> None:
         import flash_attn

@@ -24,6 +24,7 @@ Subclasses provide only the per-pass library calls (``_pass_forward`` and
 from __future__ import annotations
 
 import heapq
+import importlib
 import re
 from dataclasses import dataclass
 from functools import lru_cache
@@ -224,6 +225,19 @@ class VarlenPassKernel:
     supported_dtypes: Tuple[torch.dtype, ...] = HALF_DTYPES
     max_head_dim: int = 256
     head_dim_multiple: int = 8
+    #: module whose successful import (with CUDA usable) means the library is there
+    probe_module: str = ""
+
+    @classmethod
+    def is_available(cls) -> bool:
+        """True when CUDA is usable and ``probe_module`` imports; never raises."""
+        try:
+            if not torch.cuda.is_available():
+                return False
+            importlib.import_module(cls.probe_module)
+        except Exception:  # a missing or broken install just means "not available"
+            return False
+        return True
 
     @classmethod
     def check_inputs(cls, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, blocks: AttentionBlocks) -> None:

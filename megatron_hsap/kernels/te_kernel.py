@@ -77,18 +77,8 @@ class TEAttentionKernel(VarlenPassKernel):
     """Local attention with TransformerEngine's fused THD attention (one call per varlen pass)."""
 
     name = "te"
+    probe_module = "transformer_engine.pytorch.cpp_extensions.fused_attn"
     max_head_dim = 128
-
-    @classmethod
-    def is_available(cls) -> bool:
-        """True when CUDA is usable and TE's fused attention imports; never raises."""
-        try:
-            if not torch.cuda.is_available():
-                return False
-            import transformer_engine.pytorch.cpp_extensions.fused_attn  # noqa: F401
-        except Exception:  # a missing or broken install just means "not available"
-            return False
-        return True
 
     def __init__(self) -> None:
         import transformer_engine
