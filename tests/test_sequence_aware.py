@@ -57,7 +57,7 @@ LAYOUTS = {  # world size -> (mode, ulysses size, ranks per node): 1, 2 or 4 emu
 }
 
 
-@settings(max_examples=24, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data())
 def test_random_batches_match_reference(data):
     world = data.draw(st.sampled_from(sorted(LAYOUTS)), label="world size")

@@ -4,7 +4,7 @@
 For each mode it reports per rank: forward+backward time (median of --repeats),
 bytes sent intra-/inter-node in one forward+backward, peak tracked live memory,
 and the max error against an independent fp64 reference (per-document SDPA) on a
-small problem. Where DeepSpeed is installed, its Ulysses ``DistributedAttention``
+small problem. With --compare-deepspeed (where DeepSpeed is installed), its Ulysses ``DistributedAttention``
 wrapping SDPA runs the same problem (a block-diagonal mask for packed batches) and
 the time ratio is printed.
 
@@ -106,9 +106,11 @@ def _check_error(topo, args, mode: str) -> float:
 def _bench_deepspeed(args, lengths: List[int]) -> Optional[float]:
     """DeepSpeed Ulysses over SDPA on the same problem (contiguous split, block-diagonal causal mask)."""
     try:
+        import deepspeed
         from deepspeed.sequence.layer import DistributedAttention
     except Exception:  # not installed, or fails to import on this machine
         return None
+    deepspeed.init_distributed(dist_backend="gloo")  # reuses the existing process group
     world, rank = dist.get_world_size(), dist.get_rank()
     total = sum(lengths)
     if total % world or args.heads % world or args.kv_heads != args.heads:
@@ -136,7 +138,7 @@ def _worker(rank: int, args, port: int, queue) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=args.ranks)
     lengths = doc_lengths_for(args.docs, args.seq_len, args.seed)
     results = {mode: _bench_mode(args, mode, lengths) for mode in args.modes}
-    ds = _bench_deepspeed(args, lengths)
+    ds = _bench_deepspeed(args, lengths) if args.compare_deepspeed else None
     queue.put((rank, results, ds))
     dist.barrier()
     dist.destroy_process_group()
@@ -158,6 +160,9 @@ def main(argv: Optional[List[str]] = None) -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--compare-deepspeed", action="store_true",
+                        help="also time DeepSpeed's Ulysses DistributedAttention (its first CPU run compiles a "
+                             "shared-memory extension, which takes minutes)")
     args = parser.parse_args(argv)
     args.modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     for mode in args.modes:
@@ -204,7 +209,8 @@ def main(argv: Optional[List[str]] = None) -> None:
             ours = max(results[mode]["time_s"] for _, results, _ in rows)
             print(f"time ratio {mode} / DeepSpeed Ulysses: {ours / ds_time:.2f}")
     else:
-        print("DeepSpeed not installed (or problem not supported by it): no comparison")
+        print("DeepSpeed comparison not run (needs --compare-deepspeed, deepspeed installed, "
+              "MHA and heads/tokens divisible by the ranks)")
 
 
 if __name__ == "__main__":

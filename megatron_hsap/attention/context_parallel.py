@@ -20,11 +20,21 @@ import torch.distributed as dist
 from megatron_hsap.attention.ring import RingAttention
 from megatron_hsap.collectives import HeadsToSeq, SeqToHeads
 from megatron_hsap.kernels import get_kernel
+from megatron_hsap.parallel_state import CPTopology
 from megatron_hsap.sequence.plan import BatchPlan, validate_head_counts
 
-__all__ = ["context_parallel_attention", "check_attention_inputs"]
+__all__ = ["context_parallel_attention", "check_attention_inputs", "check_device_matches_backend"]
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def check_device_matches_backend(name: str, tensor: torch.Tensor, topology: CPTopology) -> None:
+    """CUDA tensors need NCCL, CPU tensors gloo: a mismatch would fail (or hang) inside the first collective."""
+    if topology.cp_size > 1:
+        backend = dist.get_backend(topology.cp_group)
+        if tensor.is_cuda == (backend == "gloo"):
+            raise ValueError(f"{name} is on {tensor.device} but the CP process group uses {backend}; "
+                             "use NCCL with CUDA tensors, gloo with CPU tensors")
 
 
 def check_attention_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: BatchPlan) -> int:
@@ -51,11 +61,7 @@ def check_attention_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pl
         raise ValueError(f"q, k, v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
     if not (q.device == k.device == v.device):
         raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
-    if topo.cp_size > 1 and q.is_cuda and dist.get_backend(topo.cp_group) == "gloo":
-        raise ValueError("q is a CUDA tensor but the CP process group uses the gloo backend; "
-                         "use NCCL for CUDA tensors or keep tensors on the CPU")
-    if topo.cp_size > 1 and not q.is_cuda and dist.get_backend(topo.cp_group) == "nccl":
-        raise ValueError("q is a CPU tensor but the CP process group uses NCCL; move q/k/v to the GPU")
+    check_device_matches_backend("q", q, topo)
     return validate_head_counts(q.shape[1], k.shape[1], topo.ulysses_size)
 
 

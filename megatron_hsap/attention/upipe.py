@@ -23,8 +23,8 @@ from collections import defaultdict
 from typing import Dict, List, Optional, Tuple
 
 import torch
-import torch.distributed as dist
 
+from megatron_hsap.attention.context_parallel import check_device_matches_backend
 from megatron_hsap.attention.head_schedule import HeadSchedule, Stage, build_head_schedule
 from megatron_hsap.attention.ring import ring_attention_backward, ring_attention_forward
 from megatron_hsap.collectives import heads_to_sequence, sequence_to_heads
@@ -341,11 +341,7 @@ def _check_inputs(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[tor
         d_rot = rotary_freqs.shape[-1]
         if d_rot % 2 != 0 or d_rot > head_dim:
             raise ValueError(f"rotary_freqs last dim {d_rot} must be even and <= head_dim={head_dim}")
-    if topo.cp_size > 1:
-        backend = dist.get_backend(topo.cp_group)
-        if hidden.is_cuda == (backend == "gloo"):
-            raise ValueError(f"hidden is on {hidden.device} but the CP process group uses {backend}; "
-                             "use NCCL with CUDA tensors, gloo with CPU tensors")
+    check_device_matches_backend("hidden", hidden, topo)
 
 
 def head_chunked_attention(hidden: torch.Tensor, qkv_weight: torch.Tensor, qkv_bias: Optional[torch.Tensor],
