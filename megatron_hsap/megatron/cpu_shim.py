@@ -1,0 +1,162 @@
+"""Run Megatron-Core 0.16.1 on CPU ranks (gloo): every CUDA-only spot, patched in one place.
+
+Megatron-Core assumes a GPU in a handful of places that have nothing to do with
+the model maths. ``apply_cpu_shim()`` patches exactly those, and only when this
+process uses no CUDA device (``torch.cuda.is_available()`` is False); on a GPU it
+does nothing, so GPU runs execute unmodified Megatron-Core. It is idempotent.
+REFERENCE.md section 7 records how each spot was found.
+
+Patches (each the smallest change that made a CPU run work):
+
+1. RNG tracker (``tensor_parallel.random``): ``CudaRNGStatesTracker.add/fork``
+   and ``_get/_set_cuda_rng_state`` read and write the CUDA generator. They are
+   redirected to the CPU generator, so ``model_parallel_cuda_manual_seed``,
+   tensor-parallel initialisation and activation recomputation keep working
+   with per-TP-rank seeds.
+2. ``torch.cuda.current_device()`` (rotary embedding, GlobalMemoryBuffer, TP
+   mappings and layers, p2p communication, grad buffers, checkpoint saver) is
+   used as a ``device=`` argument: it returns ``"cpu"``.
+3. ``torch.cuda.synchronize()`` (p2p communication, async checkpoint writer):
+   a no-op, CPU ops are synchronous.
+4. Hard-coded ``device="cuda"`` / ``.cuda()`` (pipeline schedules, clip_grads,
+   optimizer, grad scaler, distributed optimizer) and ``pin_memory=True`` (rotary
+   CP slicing): a ``TorchFunctionMode`` maps such device arguments to CPU, drops
+   the pinning and makes ``Tensor.cuda()`` a no-op.
+5. Type checks ``param.type() == 'torch.cuda.FloatTensor'`` (clip_grads, the
+   mixed-precision and distributed optimizers): the same mode reports CPU
+   tensors' ``Tensor.type()`` under the CUDA name Megatron expects.
+6. Model-config settings (``cpu_config_overrides()``, merged into the
+   TransformerConfig by the trainer): ``batch_p2p_comm=False`` because gloo's
+   ``batch_isend_irecv`` pairs messages by posting order, and with PP=2 the
+   interleaved schedule sends to "next" and "prev" (the same peer) in one batch,
+   which swapped activations (losses differed from PP=1); ``batch_p2p_sync=False``
+   (no CUDA sync); ``use_cpu_initialization=True``.
+7. Sequence parallelism with torch norms: Megatron's ``WrappedTorchNorm``
+   refuses ``sequence_parallel``; ``SequenceParallelTorchNorm`` (used by the
+   HSAP layer spec on CPU) is a plain torch LayerNorm/RMSNorm whose parameters
+   carry ``sequence_parallel=True`` so their gradients are all-reduced over TP
+   like Megatron's fused norms.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Dict, Optional
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+__all__ = ["apply_cpu_shim", "cpu_config_overrides", "SequenceParallelTorchNorm"]
+
+_ACTIVE = False
+_MODE: Optional[TorchFunctionMode] = None
+
+
+def _to_cpu_device(device: Any) -> Any:
+    """Map a CUDA device spec (``'cuda'``, ``'cuda:0'``, ``torch.device('cuda')``, an int) to ``'cpu'``."""
+    if isinstance(device, int) and not isinstance(device, bool):
+        return "cpu"
+    if isinstance(device, str) and device.startswith("cuda"):
+        return "cpu"
+    if isinstance(device, torch.device) and device.type == "cuda":
+        return "cpu"
+    return device
+
+
+class _CudaToCpuMode(TorchFunctionMode):
+    """Patches 4 and 5: CUDA device arguments become CPU; CPU tensors report CUDA type names."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        if func is torch.Tensor.cuda:
+            return args[0]
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
+            name = func(*args)
+            return name if ".cuda." in name else name.replace("torch.", "torch.cuda.", 1)
+        if "device" in kwargs:
+            kwargs["device"] = _to_cpu_device(kwargs["device"])
+        if kwargs.get("pin_memory"):
+            kwargs["pin_memory"] = False
+        if func is torch.Tensor.to and len(args) > 1:
+            args = (args[0], _to_cpu_device(args[1])) + tuple(args[2:])
+        return func(*args, **kwargs)
+
+
+class _CpuRNGStatesTrackerMixin:
+    """Patch 1: the tracker's named states are CPU generator states."""
+
+    def add(self, name: str, seed: int) -> None:
+        if seed in self.seeds_:
+            raise Exception(f"seed {seed} already exists")
+        self.seeds_.add(seed)
+        if name in self.states_:
+            raise Exception(f"cuda rng state {name} already exists")
+        orig = torch.get_rng_state()
+        torch.manual_seed(seed)
+        self.states_[name] = torch.get_rng_state()
+        torch.set_rng_state(orig)
+
+    @contextlib.contextmanager
+    def fork(self, name: str = "model-parallel-rng"):
+        if name not in self.states_:
+            raise Exception(f"cuda rng state {name} is not added")
+        orig = torch.get_rng_state()
+        torch.set_rng_state(self.states_[name])
+        try:
+            yield
+        finally:
+            self.states_[name] = torch.get_rng_state()
+            torch.set_rng_state(orig)
+
+
+def apply_cpu_shim() -> bool:
+    """Apply the patches listed in the module docstring if this process has no CUDA device.
+
+    Returns True when the shim is (now or already) active, False on a GPU machine,
+    where nothing is patched.
+    """
+    global _ACTIVE, _MODE
+    if _ACTIVE:
+        return True
+    if torch.cuda.is_available():
+        return False
+    from megatron.core.tensor_parallel import random as mrandom
+
+    base = mrandom.CudaRNGStatesTracker
+    mrandom.CudaRNGStatesTracker = type("CpuRNGStatesTracker", (_CpuRNGStatesTrackerMixin, base), {})
+    mrandom._get_cuda_rng_state = lambda *args, **kwargs: torch.get_rng_state()
+    mrandom._set_cuda_rng_state = lambda new_state, *args, **kwargs: torch.set_rng_state(new_state)
+    mrandom.initialize_rng_tracker(force_reset=True)
+    torch.cuda.current_device = lambda: "cpu"
+    torch.cuda.synchronize = lambda device=None: None
+    _MODE = _CudaToCpuMode()
+    _MODE.__enter__()
+    _ACTIVE = True
+    return True
+
+
+def cpu_config_overrides() -> Dict[str, Any]:
+    """Patch 6: TransformerConfig fields a CPU/gloo run must set (empty on a GPU machine)."""
+    if torch.cuda.is_available():
+        return {}
+    return {"batch_p2p_comm": False, "batch_p2p_sync": False, "use_cpu_initialization": True}
+
+
+class SequenceParallelTorchNorm:
+    """Patch 7: a torch LayerNorm/RMSNorm usable with ``sequence_parallel=True`` (CPU layer specs).
+
+    Called like Megatron's norm builders: ``(config, hidden_size, eps)``; returns a plain
+    torch module whose parameters are marked for Megatron's TP gradient all-reduce.
+    """
+
+    def __new__(cls, config: Any, hidden_size: int, eps: float = 1e-5) -> torch.nn.Module:
+        if config.normalization == "LayerNorm":
+            norm = torch.nn.LayerNorm(hidden_size, eps=eps)
+        elif config.normalization == "RMSNorm":
+            norm = torch.nn.RMSNorm(hidden_size, eps=eps)
+        else:
+            raise ValueError(f"normalization={config.normalization!r} is not supported; "
+                             "allowed: 'LayerNorm', 'RMSNorm'")
+        for param in norm.parameters():
+            param.sequence_parallel = bool(config.sequence_parallel)
+        return norm

@@ -1,0 +1,97 @@
+"""Layer specs for Megatron-Core's ``GPTModel`` with HSAP self-attention.
+
+In the style of Megatron's ``get_gpt_layer_local_spec`` /
+``get_gpt_layer_with_transformer_engine_spec``: the specs are Megatron's own (TE
+modules on a GPU where TransformerEngine is installed, local modules otherwise)
+with one change, the self-attention module is ``HSAPSelfAttention``. On CPU the
+norms are ``SequenceParallelTorchNorm`` (see ``cpu_shim``) so sequence
+parallelism works without apex/TE.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+from typing import Any, Optional
+
+import torch
+from megatron.core.models.gpt.gpt_layer_specs import (
+    get_gpt_layer_local_spec,
+    get_gpt_layer_with_transformer_engine_spec,
+)
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+
+from megatron_hsap.config import ContextParallelConfig
+from megatron_hsap.megatron.attention import HSAPSelfAttention
+from megatron_hsap.megatron.cpu_shim import SequenceParallelTorchNorm
+
+__all__ = ["get_gpt_layer_hsap_spec", "get_gpt_decoder_block_hsap_spec", "transformer_engine_usable"]
+
+
+def transformer_engine_usable() -> bool:
+    """TE modules are used only with a CUDA device and the package installed."""
+    return torch.cuda.is_available() and importlib.util.find_spec("transformer_engine") is not None
+
+
+def get_gpt_layer_hsap_spec(cp_config: ContextParallelConfig, num_experts: Optional[int] = None,
+                            qk_layernorm: bool = False, normalization: str = "LayerNorm",
+                            use_transformer_engine: Optional[bool] = None) -> ModuleSpec:
+    """A GPT transformer-layer spec whose self-attention is HSAP's, everything else Megatron's.
+
+    use_transformer_engine: None = TE when ``transformer_engine_usable()``; True/False forces it.
+    """
+    if not isinstance(cp_config, ContextParallelConfig):
+        raise ValueError(f"cp_config must be a ContextParallelConfig, got {type(cp_config).__name__}")
+    if normalization not in ("LayerNorm", "RMSNorm"):
+        raise ValueError(f"normalization={normalization!r} is not supported; allowed: 'LayerNorm', 'RMSNorm'")
+    use_te = transformer_engine_usable() if use_transformer_engine is None else use_transformer_engine
+    if use_te:
+        spec = get_gpt_layer_with_transformer_engine_spec(num_experts=num_experts, qk_layernorm=qk_layernorm)
+    else:
+        spec = get_gpt_layer_local_spec(num_experts=num_experts, qk_layernorm=qk_layernorm,
+                                        normalization=normalization)
+    spec = copy.deepcopy(spec)
+    attention = spec.submodules.self_attention
+    spec.submodules.self_attention = ModuleSpec(module=HSAPSelfAttention,
+                                                params={**attention.params, "cp_config": cp_config},
+                                                submodules=attention.submodules)
+    if not use_te:
+        _use_sequence_parallel_norms(spec)
+    return spec
+
+
+def _use_sequence_parallel_norms(spec: ModuleSpec) -> None:
+    """Swap the local spec's torch norms for ones that accept ``sequence_parallel`` (same parameters)."""
+    for owner, names in ((spec.submodules, ("input_layernorm", "pre_mlp_layernorm")),
+                         (spec.submodules.self_attention.submodules, ("q_layernorm", "k_layernorm"))):
+        for name in names:
+            if getattr(owner, name, None) is not None and not _is_identity(getattr(owner, name)):
+                setattr(owner, name, SequenceParallelTorchNorm)
+
+
+def _is_identity(module: Any) -> bool:
+    from megatron.core.transformer.identity_op import IdentityOp
+
+    return module is IdentityOp or (isinstance(module, ModuleSpec) and module.module is IdentityOp)
+
+
+def get_gpt_decoder_block_hsap_spec(config: Any, cp_config: ContextParallelConfig, vp_stage: Optional[int] = None,
+                                    **layer_kwargs: Any) -> TransformerBlockSubmodules:
+    """The decoder block for this pipeline stage: ``get_gpt_layer_hsap_spec`` layers plus the final norm.
+
+    Needed on CPU because Megatron's default final norm (``WrappedTorchNorm``) rejects sequence
+    parallelism. ``config`` is the model's TransformerConfig; layer_kwargs go to the layer spec.
+    """
+    layer_kwargs.setdefault("normalization", config.normalization)
+    layer = get_gpt_layer_hsap_spec(cp_config, **layer_kwargs)
+    use_te = layer_kwargs.get("use_transformer_engine")
+    use_te = transformer_engine_usable() if use_te is None else use_te
+    if use_te:
+        from megatron.core.extensions.transformer_engine import TENorm
+
+        final_norm: Any = TENorm
+    else:
+        final_norm = SequenceParallelTorchNorm
+    return TransformerBlockSubmodules(layer_specs=[layer] * get_num_layers_to_build(config, vp_stage),
+                                      layer_norm=final_norm)

@@ -1,0 +1,221 @@
+"""The training loop: Megatron-Core model, optimizer, schedules and checkpoints around HSAP attention.
+
+Loss with context parallelism: each CP rank sums the masked per-token losses of
+its own tokens and divides by the token count of the *whole* micro-batch (known
+on every rank without communication). Megatron's schedule multiplies by the CP
+size and DDP averages gradients over the data-and-context-parallel group, so the
+gradient equals the CP=1 gradient; the logged loss sums the CP parts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import time
+from functools import partial
+from typing import Any, Dict, Iterator, List, Tuple
+
+import torch
+import torch.distributed as dist
+
+from megatron_hsap.training.arguments import cp_config_from_args
+from megatron_hsap.training.iteration_log import IterationLogger, IterationRecord, peak_memory_bytes
+from megatron_hsap.training.packing import PackedMicroBatch, pack_micro_batch
+
+__all__ = ["pretrain"]
+
+
+def _init_distributed(args: argparse.Namespace) -> None:
+    backend = args.distributed_backend
+    if backend == "auto":
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    else:
+        torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", 1))))
+    dist.init_process_group(backend=backend, timeout=datetime.timedelta(minutes=args.distributed_timeout_minutes))
+
+
+def _check_heads(args: argparse.Namespace, topology: Any) -> None:
+    """Head counts against TP x Ulysses and the head-chunk size, identically on every rank."""
+    cp_config = cp_config_from_args(args)
+    heads_per_tp = args.num_attention_heads // args.tensor_model_parallel_size
+    if heads_per_tp % topology.ulysses_size != 0:
+        raise ValueError(f"--num-attention-heads ({args.num_attention_heads}) must be divisible by "
+                         f"--tensor-model-parallel-size x Ulysses size ({args.tensor_model_parallel_size} x "
+                         f"{topology.ulysses_size})")
+    cp_config.resolve_head_chunk_size(heads_per_tp, topology.ulysses_size)
+
+
+def _packed_iterator(batches: Iterator[Dict[str, torch.Tensor]], eod: int, split_at_eod: bool, topology: Any,
+                     layout: str) -> Iterator[PackedMicroBatch]:
+    for batch in batches:
+        yield pack_micro_batch(batch, eod, split_at_eod, topology, layout)
+
+
+def _loss_func(mb: PackedMicroBatch, cp_group: Any, output_tensor: torch.Tensor) -> Tuple[torch.Tensor, Dict]:
+    """Per-token losses ``[1, t_local]`` -> this rank's share of the micro-batch mean loss (see module doc)."""
+    local_sum = torch.sum(output_tensor.float().view(-1) * mb.loss_mask.view(-1))
+    denominator = max(mb.num_loss_tokens, 1)
+    reported = local_sum.detach().clone()
+    if cp_group is not None and dist.get_world_size(cp_group) > 1:
+        dist.all_reduce(reported, group=cp_group)
+    return local_sum / denominator, {"lm loss": reported / denominator}
+
+
+def _forward_step(cp_group: Any, data_iterator: Iterator[PackedMicroBatch], model: Any) -> Tuple[torch.Tensor, Any]:
+    mb = next(data_iterator)
+    output = model(mb.tokens, mb.position_ids, None, labels=mb.labels, packed_seq_params=mb.packed_seq_params)
+    return output, partial(_loss_func, mb, cp_group)
+
+
+def _reduce_loss(losses: List[Dict[str, torch.Tensor]]) -> float:
+    """Mean micro-batch loss over the global batch, available on every rank (one world all-reduce)."""
+    from megatron.core import parallel_state as mpu
+
+    contributes = (mpu.is_pipeline_last_stage(ignore_virtual=True) and mpu.get_tensor_model_parallel_rank() == 0
+                   and mpu.get_context_parallel_rank() == 0)
+    buf = torch.zeros(2, dtype=torch.float64)
+    if contributes and losses:
+        buf[0] = sum(float(x["lm loss"]) for x in losses)
+        buf[1] = len(losses)
+    dist.all_reduce(buf)
+    return float(buf[0] / buf[1])
+
+
+def _bytes_by_op(sent: Dict[Tuple[str, str], int]) -> Dict[str, int]:
+    out: Dict[str, int] = {}
+    for (op, _), nbytes in sent.items():
+        out[op] = out.get(op, 0) + nbytes
+    return out
+
+
+def _setup(args: argparse.Namespace) -> Tuple[Any, ...]:
+    from megatron.core import parallel_state as mpu
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    from megatron_hsap.megatron.cpu_shim import apply_cpu_shim
+    from megatron_hsap.parallel_state import initialize_model_parallel
+
+    apply_cpu_shim()
+    topology = initialize_model_parallel(
+        tensor_model_parallel_size=args.tensor_model_parallel_size,
+        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+        context_parallel_size=args.context_parallel_size, cp_config=cp_config_from_args(args),
+        ranks_per_node=args.ranks_per_node,
+        virtual_pipeline_model_parallel_size=None if args.num_layers_per_virtual_pipeline_stage is None else
+        args.num_layers // args.pipeline_model_parallel_size // args.num_layers_per_virtual_pipeline_stage)
+    # Every rank has finished building its groups before any can fail the check below and exit
+    # (a rank that left early would stall peers still connecting to it).
+    dist.barrier()
+    _check_heads(args, topology)
+    torch.manual_seed(args.seed)
+    model_parallel_cuda_manual_seed(args.seed)
+    return topology, mpu
+
+
+def pretrain(args: argparse.Namespace) -> List[IterationRecord]:
+    """Train per ``args`` (already validated by ``parse_args``); returns rank 0's iteration records."""
+    from megatron_hsap.parallel_state import destroy_model_parallel
+
+    _init_distributed(args)
+    # No collective teardown when _train raises: the other ranks may be anywhere (a rank that
+    # waited for them in destroy_process_group could hang); exiting the process frees the group.
+    records = _train(args)
+    destroy_model_parallel()
+    dist.destroy_process_group()
+    return records
+
+
+def _train(args: argparse.Namespace) -> List[IterationRecord]:
+    from megatron.core.distributed import finalize_model_grads
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    from megatron_hsap.instrumentation import comm_stats
+    from megatron_hsap.training.checkpoint import load_checkpoint, save_checkpoint
+    from megatron_hsap.training.data import build_train_dataset, micro_batches
+    from megatron_hsap.training.model import build_model, transformer_config
+    from megatron_hsap.training.tokenizer import build_tokenizer
+
+    topology, mpu = _setup(args)
+    log = IterationLogger(args.train_iters, dist.get_rank(), args.log_json, args.tensorboard_dir,
+                          progress_bar=not args.no_progress_bar)
+    cp_config = cp_config_from_args(args)
+    tokenizer = build_tokenizer(args.tokenizer_type, args.tokenizer_model, args.vocab_size)
+    dataset = build_train_dataset(args, tokenizer)
+    config = transformer_config(args)
+    model = build_model(args, config, cp_config, tokenizer.vocab_size)
+    optimizer = get_megatron_optimizer(
+        OptimizerConfig(optimizer="adam", lr=args.lr, min_lr=args.min_lr, weight_decay=args.weight_decay,
+                        adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2, clip_grad=args.clip_grad,
+                        bf16=args.bf16, params_dtype=config.params_dtype,
+                        use_distributed_optimizer=args.use_distributed_optimizer), model)
+    scheduler = OptimizerParamScheduler(
+        optimizer, init_lr=0.0, max_lr=args.lr, min_lr=args.min_lr,
+        lr_warmup_steps=args.lr_warmup_iters * args.global_batch_size,
+        lr_decay_steps=args.train_iters * args.global_batch_size, lr_decay_style=args.lr_decay_style,
+        start_wd=args.weight_decay, end_wd=args.weight_decay,
+        wd_incr_steps=args.train_iters * args.global_batch_size, wd_incr_style="constant")
+    start = 0
+    if args.load is not None:
+        start = load_checkpoint(args.load, model, optimizer, scheduler, load_optimizer=not args.no_load_optim)
+        log.info(f"loaded checkpoint from {args.load} at iteration {start}")
+
+    config.grad_scale_func = optimizer.scale_loss
+    config.finalize_model_grads_func = finalize_model_grads
+    config.no_sync_func = [m.no_sync for m in model] if len(model) > 1 else model[0].no_sync
+    layout = cp_config.resolved_layout
+    log.info(f"megatron-hsap: world {args.world_size} = TP {args.tensor_model_parallel_size} x PP "
+             f"{args.pipeline_model_parallel_size} x CP {args.context_parallel_size} x DP {args.data_parallel_size}; "
+             f"mode {cp_config.mode}, ulysses {topology.ulysses_size} x ring {topology.ring_size}, layout {layout}, "
+             f"nodes {topology.num_nodes}; {sum(p.numel() for m in model for p in m.parameters())} parameters "
+             f"on rank 0")
+
+    # One iterator per model chunk: the interleaved schedule reads each micro-batch once per chunk.
+    iterators = [_packed_iterator(micro_batches(dataset, args, mpu.get_data_parallel_rank(), start), tokenizer.eod,
+                                  args.reset_attention_mask, topology, layout) for _ in model]
+    data_iterator = iterators if len(model) > 1 else iterators[0]
+    forward_backward = get_forward_backward_func()
+    step = partial(_forward_step, mpu.get_context_parallel_group())
+    tokens_per_iter = args.global_batch_size * args.seq_length
+    records: List[IterationRecord] = []
+    for iteration in range(start + 1, args.train_iters + 1):
+        for chunk in model:
+            chunk.zero_grad_buffer()
+        optimizer.zero_grad()
+        before, t0 = comm_stats(), time.perf_counter()
+        losses = forward_backward(forward_step_func=step, data_iterator=data_iterator, model=model,
+                                  num_microbatches=args.num_microbatches,
+                                  seq_length=args.micro_batch_size * args.seq_length, micro_batch_size=1,
+                                  forward_only=False)
+        update_ok, grad_norm, _ = optimizer.step()
+        if not update_ok:
+            raise RuntimeError(f"iteration {iteration}: optimizer step skipped (non-finite gradients)")
+        scheduler.step(increment=args.global_batch_size)
+        loss = _reduce_loss(losses)
+        elapsed = time.perf_counter() - t0
+        sent = comm_stats().minus(before)
+        cp_bytes = torch.tensor([sent.send_bytes_intra, sent.send_bytes_inter], dtype=torch.int64)
+        dist.all_reduce(cp_bytes, op=dist.ReduceOp.MAX)
+        record = IterationRecord(iteration=iteration, loss=loss, lr=scheduler.get_lr(optimizer.param_groups[0]),
+                                 grad_norm=float(grad_norm), tokens_per_s=tokens_per_iter / elapsed,
+                                 elapsed_ms=1000 * elapsed, peak_memory_bytes=peak_memory_bytes(),
+                                 cp_bytes_intra=int(cp_bytes[0]), cp_bytes_inter=int(cp_bytes[1]),
+                                 cp_bytes_by_op=_bytes_by_op(sent.sent))
+        records.append(record)
+        if iteration % args.log_interval == 0 or iteration == args.train_iters:
+            log.log(record)
+        stop = iteration == args.train_iters or iteration == args.exit_interval
+        if args.save is not None and ((args.save_interval and iteration % args.save_interval == 0) or stop):
+            save_checkpoint(args.save, iteration, model, optimizer, scheduler)
+            log.info(f"saved checkpoint at iteration {iteration} to {args.save}")
+        if stop:
+            break
+    if records:
+        log.info(f"done: lm loss {records[0].loss:.4f} (iteration {records[0].iteration}) -> "
+                 f"{records[-1].loss:.4f} (iteration {records[-1].iteration})")
+    log.close()
+    return records
