@@ -52,12 +52,25 @@ def _free_port() -> int:
 
 
 def _cleanup_parallel_state() -> None:
-    """Undo what a test body set up, for the modules it actually imported."""
+    """Undo what a test body set up, for the modules it actually imported, and destroy every
+    process group it created: Megatron creates dozens per initialisation and each gloo group
+    keeps its own threads, so a long-lived worker would otherwise accumulate hundreds."""
     for module_name in ("megatron_hsap.parallel_state", "megatron.core.parallel_state"):
         module = sys.modules.get(module_name)
         destroy = getattr(module, "destroy_model_parallel", None)
         if destroy is not None:
             destroy()
+    import gc
+
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d
+
+    gc.collect()  # tracebacks kept by pytest.raises form cycles that still reference groups
+    if dist.is_initialized():
+        default = distributed_c10d._get_default_group()
+        for group in list(distributed_c10d._world.pg_map):
+            if group is not default:
+                dist.destroy_process_group(group)
 
 
 def _worker_main(rank: int, world_size: int, port: int, conn: multiprocessing.connection.Connection) -> None:
