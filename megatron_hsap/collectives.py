@@ -52,30 +52,19 @@ def heads_to_sequence(x: torch.Tensor, topology: CPTopology, op: str = "ulysses_
     return _all_to_all(x.reshape(u, ut // u, h, d), topology, op).transpose(0, 1)
 
 
-class SeqToHeads(torch.autograd.Function):
-    """Differentiable ``sequence_to_heads``; its gradient is the inverse all-to-all."""
+class UlyssesAllToAll(torch.autograd.Function):
+    """Differentiable all-to-all: ``to_heads=True`` is ``sequence_to_heads``, False its inverse;
+    the gradient of each is the other."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, topology: CPTopology) -> torch.Tensor:
-        ctx.topology = topology
-        return sequence_to_heads(x, topology)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return heads_to_sequence(grad, ctx.topology, "ulysses_a2a_bwd"), None
-
-
-class HeadsToSeq(torch.autograd.Function):
-    """Differentiable ``heads_to_sequence``."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, topology: CPTopology) -> torch.Tensor:
-        ctx.topology = topology
-        return heads_to_sequence(x, topology)
+    def forward(ctx, x: torch.Tensor, topology: CPTopology, to_heads: bool) -> torch.Tensor:
+        ctx.topology, ctx.to_heads = topology, to_heads
+        return (sequence_to_heads if to_heads else heads_to_sequence)(x, topology)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        return sequence_to_heads(grad, ctx.topology, "ulysses_a2a_bwd"), None
+        inverse = heads_to_sequence if ctx.to_heads else sequence_to_heads
+        return inverse(grad, ctx.topology, "ulysses_a2a_bwd"), None, None
 
 
 class PendingExchange:

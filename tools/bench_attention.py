@@ -110,6 +110,11 @@ def _bench_deepspeed(args, lengths: List[int]) -> Optional[float]:
         from deepspeed.sequence.layer import DistributedAttention
     except Exception:  # not installed, or fails to import on this machine
         return None
+    import deepspeed.comm.torch as ds_torch_comm
+
+    # DeepSpeed's optional shared-memory all-reduce is compiled on first use (minutes of C++); its
+    # Ulysses layer only uses all-to-all, so skip the build.
+    ds_torch_comm.build_shm_op = lambda: None
     deepspeed.init_distributed(dist_backend="gloo")  # reuses the existing process group
     world, rank = dist.get_world_size(), dist.get_rank()
     total = sum(lengths)
@@ -161,8 +166,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     parser.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--compare-deepspeed", action="store_true",
-                        help="also time DeepSpeed's Ulysses DistributedAttention (its first CPU run compiles a "
-                             "shared-memory extension, which takes minutes)")
+                        help="also time DeepSpeed's Ulysses DistributedAttention wrapping SDPA")
     args = parser.parse_args(argv)
     args.modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     for mode in args.modes:

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_hsap.attention.ring import RingAttention
-from megatron_hsap.collectives import HeadsToSeq, SeqToHeads
+from megatron_hsap.collectives import UlyssesAllToAll
 from megatron_hsap.kernels import get_kernel
 from megatron_hsap.parallel_state import CPTopology
 from megatron_hsap.sequence.plan import BatchPlan, validate_head_counts
@@ -91,7 +91,7 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     # One all-to-all for q, k and v: each destination's head slices side by side.
     packed = torch.cat((q.view(t, ulysses, hq_u, d), k.reshape(t, ulysses, hkv_u, d),
                         v.reshape(t, ulysses, hkv_u, d)), dim=2)
-    member = SeqToHeads.apply(packed, topo)
+    member = UlyssesAllToAll.apply(packed, topo, True)
     q_m, k_m, v_m = member.split((hq_u, hkv_u, hkv_u), dim=1)
     out_m = RingAttention.apply(q_m.contiguous(), k_m.contiguous(), v_m.contiguous(), schedule, topo, kernel, scale)
-    return HeadsToSeq.apply(out_m, topo).reshape(t, h_q, d)
+    return UlyssesAllToAll.apply(out_m, topo, False).reshape(t, h_q, d)
