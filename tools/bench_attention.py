@@ -14,6 +14,7 @@ the time ratio is printed.
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import socket
 import statistics
@@ -110,11 +111,11 @@ def _bench_deepspeed(args, lengths: List[int]) -> Optional[float]:
         from deepspeed.sequence.layer import DistributedAttention
     except Exception:  # not installed, or fails to import on this machine
         return None
-    import deepspeed.comm.torch as ds_torch_comm
-
     # DeepSpeed's optional shared-memory all-reduce is compiled on first use (minutes of C++); its
-    # Ulysses layer only uses all-to-all, so skip the build.
-    ds_torch_comm.build_shm_op = lambda: None
+    # Ulysses layer only uses all-to-all, so skip the build. (``deepspeed.comm.torch`` as an attribute
+    # is the torch package itself, hence sys.modules.)
+    importlib.import_module("deepspeed.comm.torch")
+    sys.modules["deepspeed.comm.torch"].build_shm_op = lambda: None
     deepspeed.init_distributed(dist_backend="gloo")  # reuses the existing process group
     world, rank = dist.get_world_size(), dist.get_rank()
     total = sum(lengths)
