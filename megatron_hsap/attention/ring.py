@@ -50,10 +50,10 @@ class _Exchanges:
 
 
 def _empty_result(q: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Out ``[t, h, d]`` = 0 and lse ``[h, t]`` = -inf in the accumulation dtype: rows that see no key."""
     acc = _acc_dtype(q.dtype)
     return (torch.zeros(q.shape, dtype=acc, device=q.device),
-            torch.full((q.shape[1], q.shape[0]), float("-inf"), dtype=torch.float32 if acc == torch.float32 else acc,
-                       device=q.device))
+            torch.full((q.shape[1], q.shape[0]), float("-inf"), dtype=acc, device=q.device))
 
 
 def ring_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, schedule: MemberSchedule,
@@ -64,7 +64,7 @@ def ring_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sc
     out, lse = _empty_result(q)
     if len(schedule.local_blocks):
         part_out, part_lse = kernel.forward(q, k, v, schedule.local_blocks, softmax_scale)
-        out, lse = merge_partial_attention(out, lse.to(part_lse.dtype), part_out, part_lse)
+        out, lse = merge_partial_attention(out, lse, part_out, part_lse)
     kv = torch.stack((k, v), dim=1)  # [t_m, 2, h_kv', d]: one message per exchange
     for _, recv, _, received in _Exchanges(schedule, topology, kv, "ring_kv"):
         if recv is not None:

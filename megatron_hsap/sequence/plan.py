@@ -168,30 +168,31 @@ class BatchPlan:
             raise ValueError("this plan's topology is offline: pass rank= explicitly")
         return rank
 
-    def global_indices_of(self, rank: Optional[int] = None) -> torch.Tensor:
-        """int64 ``[tokens_per_rank]``: global packed index of each local slot, -1 on padding."""
+    def _slot_tables(self, rank: int) -> Tuple[torch.Tensor, torch.Tensor]:
+        """(global index, in-document position) of every local slot of CP rank ``rank``; (-1, 0) on padding."""
         doc_starts = [0]
         for n in self._data.doc_lengths:
             doc_starts.append(doc_starts[-1] + n)
-        out = torch.full((self.tokens_per_rank,), -1, dtype=torch.int64)
+        indices = torch.full((self.tokens_per_rank,), -1, dtype=torch.int64)
+        positions = torch.zeros(self.tokens_per_rank, dtype=torch.int64)
         offset = 0
-        for doc, start, end in self._data.rank_segments[self._rank(rank)]:
-            out[offset:offset + end - start] = torch.arange(doc_starts[doc] + start, doc_starts[doc] + end)
+        for doc, start, end in self._data.rank_segments[rank]:
+            indices[offset:offset + end - start] = torch.arange(doc_starts[doc] + start, doc_starts[doc] + end)
+            positions[offset:offset + end - start] = torch.arange(start, end)
             offset += end - start
-        return out
+        return indices, positions
+
+    def global_indices_of(self, rank: Optional[int] = None) -> torch.Tensor:
+        """int64 ``[tokens_per_rank]``: global packed index of each local slot, -1 on padding."""
+        return self._slot_tables(self._rank(rank))[0]
 
     def position_ids_of(self, rank: Optional[int] = None) -> torch.Tensor:
         """int64 ``[tokens_per_rank]``: in-document position of each local slot (0 on padding)."""
-        out = torch.zeros(self.tokens_per_rank, dtype=torch.int64)
-        offset = 0
-        for _, start, end in self._data.rank_segments[self._rank(rank)]:
-            out[offset:offset + end - start] = torch.arange(start, end)
-            offset += end - start
-        return out
+        return self._slot_tables(self._rank(rank))[1]
 
     def _local_tables(self) -> Tuple[torch.Tensor, torch.Tensor]:
         if self._local is None:
-            self._local = (self.global_indices_of(), self.position_ids_of())
+            self._local = self._slot_tables(self._rank(None))
         return self._local
 
     @property
