@@ -140,6 +140,8 @@ class BatchPlan:
         self._data = data
         self.topology = topology
         self._local: Optional[Tuple[torch.Tensor, torch.Tensor]] = None
+        #: Call signatures whose cross-rank agreement was checked (``attention.agreement``).
+        self.verified_signatures: set = set()
 
     # ---- layout -------------------------------------------------------------------------
     @property

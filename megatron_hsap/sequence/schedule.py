@@ -19,6 +19,7 @@ from typing import Dict, List, Sequence, Tuple
 
 import torch
 
+from megatron_hsap.device_cache import DeviceTensorCache
 from megatron_hsap.kernels.base import AttentionBlocks
 from megatron_hsap.sequence.layouts import Segment
 
@@ -28,7 +29,11 @@ Piece = Tuple[int, int, int]  # (buffer_start, doc_start, doc_end) inside one me
 
 @dataclass(frozen=True)
 class RowRanges:
-    """Rows ``[start, end)`` of a buffer, gathered in order into one message."""
+    """Rows ``[start, end)`` of a buffer, gathered in order into one message.
+
+    A single range is a slice (no index tensor, no extra copy); several ranges use one
+    int64 index tensor per device, built once and kept in a byte-bounded LRU cache.
+    """
 
     ranges: Tuple[Tuple[int, int], ...]
 
@@ -36,19 +41,30 @@ class RowRanges:
     def num_rows(self) -> int:
         return sum(e - s for s, e in self.ranges)
 
-    def gather(self, x: torch.Tensor) -> torch.Tensor:
-        """``x[rows]`` along dim 0 (a view when there is a single range)."""
+    def _index(self, device: torch.device) -> torch.Tensor:
+        def build() -> torch.Tensor:
+            index = torch.cat([torch.arange(s, e, dtype=torch.int64) for s, e in self.ranges])
+            return index.to(device, non_blocking=True) if device.type != "cpu" else index
+        return _ROW_INDEX_CACHE.get((self.ranges, device), build)
+
+    def gather_into(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """``out[:] = x[rows]`` along dim 0 (one copy; ``out`` may be a strided view); returns ``out``."""
         if len(self.ranges) == 1:
             s, e = self.ranges[0]
-            return x[s:e]
-        return torch.cat([x[s:e] for s, e in self.ranges])
+            return out.copy_(x[s:e])
+        return torch.index_select(x, 0, self._index(x.device), out=out)
 
-    def scatter_add_(self, out: torch.Tensor, rows: torch.Tensor) -> None:
-        """``out[rows] += rows`` along dim 0: gradients coming back to their owner."""
-        offset = 0
-        for s, e in self.ranges:
-            out[s:e] += rows[offset:offset + e - s]
-            offset += e - s
+    def add_into(self, out: torch.Tensor, rows: torch.Tensor) -> None:
+        """``out[rows] += rows`` along dim 0: gradients coming back to their owner, in ``out``'s dtype."""
+        if len(self.ranges) == 1:
+            s, e = self.ranges[0]
+            out[s:e] += rows
+        else:
+            out.index_add_(0, self._index(out.device), rows.to(out.dtype))
+
+
+#: Row indices of multi-range sends, per device (see ``device_cache``).
+_ROW_INDEX_CACHE = DeviceTensorCache()
 
 
 @dataclass(frozen=True)
