@@ -44,7 +44,8 @@ def _check_plan(lengths, topo: CPTopology, layout: str, causal: bool) -> None:
             src_schedule = plan.member_schedule(causal, recv.src_member)
             send = next(s for s in src_schedule.send_steps if s.dst_member == member)
             assert send.distance == recv.distance and send.rows.num_rows == recv.num_rows
-            sent_rows = send.rows.gather(_member_rows(plan, recv.src_member))
+            src_rows = _member_rows(plan, recv.src_member)
+            sent_rows = send.rows.gather_into(src_rows, torch.empty(send.rows.num_rows, dtype=src_rows.dtype))
             assert bool((sent_rows >= 0).all()), "padding rows must never be sent"
             mask = blocks_mask(recv.blocks, len(q_rows), recv.num_rows)
             covered[:, sent_rows] += mask.long()

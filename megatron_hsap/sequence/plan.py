@@ -12,13 +12,14 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Dict, List, Optional, Tuple
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
 from megatron_hsap.config import LAYOUTS
 from megatron_hsap.parallel_state import CPTopology
 from megatron_hsap.sequence.layouts import Segment, check_layout, contiguous_layout, zigzag_layout
-from megatron_hsap.sequence.schedule import MemberSchedule, Piece, build_member_schedule, member_pieces
+from megatron_hsap.sequence.schedule import MemberSchedule, Piece, build_member_schedule, member_pieces, piece_tables
 
 __all__ = ["BatchPlan", "PlanStats", "plan_batch", "validate_cu_seqlens"]
 
@@ -79,11 +80,14 @@ class _PlanData:
     tokens_per_rank: int
     pieces: List[Dict[int, List[Piece]]] = field(default_factory=list)
     schedules: Dict[Tuple[int, bool], MemberSchedule] = field(default_factory=dict)
+    tables: Optional[List[np.ndarray]] = None
 
     def schedule(self, member: int, causal: bool) -> MemberSchedule:
         key = (member, causal)
         if key not in self.schedules:
-            self.schedules[key] = build_member_schedule(self.pieces, member, causal)
+            if self.tables is None:
+                self.tables = piece_tables(self.pieces)
+            self.schedules[key] = build_member_schedule(self.tables, member, causal)
         return self.schedules[key]
 
 
