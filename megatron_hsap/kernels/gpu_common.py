@@ -25,10 +25,13 @@ from __future__ import annotations
 
 import heapq
 import importlib
+import inspect
+import logging
 import re
+from collections import OrderedDict
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import List, Optional, Tuple
+from typing import Callable, Collection, Dict, Hashable, List, Optional, Tuple
 
 import torch
 
@@ -107,14 +110,103 @@ def _to_device(x: torch.Tensor, device: torch.device) -> torch.Tensor:
     return x.to(device, non_blocking=True)
 
 
-@lru_cache(maxsize=1024)
+class DeviceTensorCache:
+    """A least-recently-used cache of index tensors built on the host and kept on a device, bounded in bytes.
+
+    The pass machinery needs, per distinct pass, small int32 ``cu_seqlens`` and (for non-adjacent
+    segments) int64 row indices, 8 bytes per gathered row. Keeping them saves a host-to-device copy per
+    call, but a cache bounded by *entries* grows with the batch (a packed 1M-token batch split into
+    many passes holds tens of MiB). This one holds at most ``max_bytes`` of tensor storage: inserting
+    evicts the least recently used entries until the total fits, and a tensor larger than the bound
+    is returned without being kept. A tensor still used by a running kernel stays alive through its
+    own reference; eviction only drops the cache's.
+    """
+
+    def __init__(self, max_bytes: int) -> None:
+        self.max_bytes = max_bytes
+        self.bytes = 0
+        self._entries: "OrderedDict[Hashable, torch.Tensor]" = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def get(self, key: Hashable, build: Callable[[], torch.Tensor]) -> torch.Tensor:
+        """The tensor cached under ``key`` (now most recently used), or ``build()``'s result, cached if it fits."""
+        hit = self._entries.get(key)
+        if hit is not None:
+            self._entries.move_to_end(key)
+            return hit
+        value = build()
+        size = value.numel() * value.element_size()
+        if size <= self.max_bytes:
+            self._entries[key] = value
+            self.bytes += size
+            while self.bytes > self.max_bytes:
+                _, evicted = self._entries.popitem(last=False)
+                self.bytes -= evicted.numel() * evicted.element_size()
+        return value
+
+    def clear(self) -> None:
+        self._entries.clear()
+        self.bytes = 0
+
+
+#: Index tensors of the GPU kernels (cu_seqlens, gathered row indices, TE stats positions), per process.
+#: 64 MiB holds the row indices of ~8M gathered rows; assign ``DEVICE_INDEX_CACHE.max_bytes`` to change it.
+DEVICE_INDEX_CACHE = DeviceTensorCache(max_bytes=64 * 2 ** 20)
+
+
+def cached_device_index(key: Hashable, device: torch.device, build: Callable[[], torch.Tensor]) -> torch.Tensor:
+    """``build()`` (a host tensor) on ``device``, cached in ``DEVICE_INDEX_CACHE`` under ``(key, device)``."""
+    return DEVICE_INDEX_CACHE.get((key, device), lambda: _to_device(build(), device))
+
+
 def _int32_tensor(values: Tuple[int, ...], device: torch.device) -> torch.Tensor:
-    return _to_device(torch.tensor(values, dtype=torch.int32), device)
+    return cached_device_index(("int32", values), device, lambda: torch.tensor(values, dtype=torch.int32))
 
 
-@lru_cache(maxsize=1024)
 def _row_index(segments: Tuple[Segment, ...], device: torch.device) -> torch.Tensor:
-    return _to_device(torch.cat([torch.arange(s, e, dtype=torch.int64) for s, e in segments]), device)
+    return cached_device_index(("rows", segments), device,
+                               lambda: torch.cat([torch.arange(s, e, dtype=torch.int64) for s, e in segments]))
+
+
+def signature_parameters(fn: Callable) -> Dict[str, inspect.Parameter]:
+    """Parameters of ``fn`` as installed; a ``torch.library.custom_op`` (flash-attn >= 2.7 wraps its
+    low-level functions in one) exposes only ``(*args, **kwargs)`` and keeps the function in ``_init_fn``."""
+    return dict(inspect.signature(getattr(fn, "_init_fn", fn)).parameters)
+
+
+def accepted_keywords(fn: Callable, passed: Collection[str], defaults_ok: Collection[str], what: str) -> frozenset:
+    """Which of the ``passed`` keywords the installed ``fn`` takes, after checking its whole signature.
+
+    Every parameter of ``fn`` must be one this package passes or one it has reviewed and leaves at its
+    default (``defaults_ok``, and the installed function must give it a default). Anything else is a
+    release this package has not been checked against: a RuntimeError naming the parameters, raised
+    when the kernel is built, so a changed default (as TE 2.15's ``o_format``) never runs silently.
+    """
+    params = signature_parameters(fn)
+    problems = [name for name, p in params.items()
+                if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD) and name not in passed
+                and not (name in defaults_ok and p.default is not p.empty)]
+    if any(p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in params.values()):
+        problems.append("*args/**kwargs")
+    if problems:
+        raise RuntimeError(f"{what}: parameters {problems} are new to megatron_hsap (not verified against "
+                           "this release's signature)")
+    return frozenset(name for name in passed if name in params)
+
+
+_ANNOUNCED: set = set()
+
+
+def warn_once_on_rank0(log: logging.Logger, message: str) -> None:
+    """Log ``message`` as a warning once per process, on global rank 0 only (or when not distributed)."""
+    if message in _ANNOUNCED:
+        return
+    _ANNOUNCED.add(message)
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()) \
+            or torch.distributed.get_rank() == 0:
+        log.warning(message)
 
 
 def normalized_blocks(blocks: AttentionBlocks) -> List[Tuple[int, int, int, int, bool]]:
