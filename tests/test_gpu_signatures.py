@@ -23,7 +23,7 @@ from typing import Callable, Dict, List, Tuple
 import pytest
 import torch
 
-from megatron_hsap.kernels import get_kernel
+from megatron_hsap.kernels import get_kernel, gpu_common
 from megatron_hsap.kernels.base import AttentionBlocks
 from megatron_hsap.kernels.flash_kernel import FlashAttentionKernel
 from megatron_hsap.kernels.gpu_common import VarlenPassKernel, split_into_passes
@@ -272,6 +272,12 @@ def check_against_dense(kernel, blocks: AttentionBlocks = BLOCKS) -> None:
         torch.testing.assert_close(got.double(), ref, atol=2e-2, rtol=0)  # fp16 grads per pass, |grad| ~ 1
 
 
+@pytest.fixture(autouse=True)
+def fresh_warnings(monkeypatch):
+    """Each test sees its own once-per-process warnings."""
+    monkeypatch.setattr(gpu_common, "_ANNOUNCED", set())
+
+
 @pytest.fixture
 def cpu_as_cuda(monkeypatch):
     """Let the kernels run on CPU tensors: everything but their CUDA device check."""
@@ -384,7 +390,13 @@ def test_te_delegates_unsupported_shapes_to_the_fallback(monkeypatch, caplog, cp
     torch.testing.assert_close(out.float(), ref_out.float(), atol=2e-3, rtol=0)
     for got, ref in zip(grads, TORCH.backward(dout, q, k, v, ref_out, ref_lse, blocks, SCALE)):
         torch.testing.assert_close(got, ref, atol=2e-2, rtol=0)
+    # another batch of the same kind with other lengths: the same decision, no second message
+    other = AttentionBlocks.from_list([(0, 20, 0, 20, True), (20, 40, 20, 40, True)] if t_case == "square"
+                                      else [(0, 10, 0, 10, True), (25, 40, 5, 40, True)])
+    fwd_calls = fake.calls["fwd"]
+    kernel.forward(q, k, v, other, SCALE)
+    assert (fake.calls["fwd"] == fwd_calls) is delegated
     messages = [r.message for r in caplog.records if "no fused attention backend" in r.message]
-    assert len(messages) == (1 if delegated else 0)  # once, though forward and backward both delegated
+    assert len(messages) == (1 if delegated else 0)  # once, though forward and backward of two batches delegated
     if delegated:
         assert "use the 'torch' kernel" in messages[0]

@@ -199,11 +199,13 @@ def accepted_keywords(fn: Callable, passed: Collection[str], defaults_ok: Collec
 _ANNOUNCED: set = set()
 
 
-def warn_once_on_rank0(log: logging.Logger, message: str) -> None:
-    """Log ``message`` as a warning once per process, on global rank 0 only (or when not distributed)."""
-    if message in _ANNOUNCED:
+def warn_once_on_rank0(log: logging.Logger, message: str, key: Optional[Hashable] = None) -> None:
+    """Log ``message`` as a warning once per process and ``key`` (default: the message), on global rank 0
+    only (or when not distributed)."""
+    key = message if key is None else key
+    if key in _ANNOUNCED:
         return
-    _ANNOUNCED.add(message)
+    _ANNOUNCED.add(key)
     if not (torch.distributed.is_available() and torch.distributed.is_initialized()) \
             or torch.distributed.get_rank() == 0:
         log.warning(message)

@@ -190,7 +190,12 @@ class TEAttentionKernel(VarlenPassKernel):
         # the forward's result decides; this is TE's rule for the backward-only case
         self._ragged_stats = cudnn >= RAGGED_STATS_CUDNN and capability != (12, 0)
         self._supported = lru_cache(maxsize=4096)(self._query_supported)
-        if not self._supported(torch.bfloat16, causal_mask="padding_causal", **PROBE_SHAPE):
+        self._fallback_kernel: Optional[AttentionKernel] = None
+        try:
+            supported = self._supported(torch.bfloat16, causal_mask="padding_causal", **PROBE_SHAPE)
+        except (TypeError, ValueError) as err:  # pybind11 rejects the arguments: a query layout new to us
+            raise RuntimeError(f"{label}: get_fused_attn_backend rejected its arguments ({err}); {hint}") from None
+        if not supported:
             raise RuntimeError(f"{label}: no fused THD attention backend on this device ({self._device}; TE needs "
                                "sm90+ and cuDNN >= 9.1, not 9.10.0/9.10.1); use kernel='flash' or 'torch'")
 
@@ -208,24 +213,28 @@ class TEAttentionKernel(VarlenPassKernel):
             values["softmax_type"] = fa.SoftmaxType["vanilla"]
         return self._query(*(values[name] for name in self._query_names)) == self._backend
 
-    def _unsupported_pass(self, q: torch.Tensor, k: torch.Tensor, blocks: AttentionBlocks) -> Optional[str]:
-        """A description of the first pass shape TE has no fused backend for, else None."""
+    def _unsupported_pass(self, q: torch.Tensor, k: torch.Tensor, blocks: AttentionBlocks) -> Optional[dict]:
+        """The first pass shape TE has no fused backend for, else None."""
         for p in split_into_passes(blocks):
             shape = dict(h_q=q.shape[1], h_kv=k.shape[1], head_dim=q.shape[2], causal_mask=mask_type(p),
                          max_seqlen_q=p.max_seqlen_q, max_seqlen_kv=p.max_seqlen_k)
             if not self._supported(q.dtype, **shape):
-                return f"{q.dtype}, " + ", ".join(f"{key}={value}" for key, value in shape.items())
+                return dict(shape, dtype=q.dtype)
         return None
 
-    def _fallback(self, reason: str) -> AttentionKernel:
-        """flash-attn if it is there, else torch; announced once per distinct reason on rank 0."""
-        from megatron_hsap.kernels.flash_kernel import FlashAttentionKernel
-        from megatron_hsap.kernels.torch_kernel import TorchAttentionKernel
-        kernel: AttentionKernel = FlashAttentionKernel() if FlashAttentionKernel.is_available() \
-            else TorchAttentionKernel()
-        warn_once_on_rank0(_log, f"megatron_hsap: {self._label} has no fused attention backend for {reason} "
-                                 f"({self._device}); such calls use the {kernel.name!r} kernel")
-        return kernel
+    def _fallback(self, shape: dict) -> AttentionKernel:
+        """flash-attn if it is there, else torch; announced on rank 0 once per shape class (lengths aside,
+        which change with every batch)."""
+        if self._fallback_kernel is None:
+            from megatron_hsap.kernels.flash_kernel import FlashAttentionKernel
+            from megatron_hsap.kernels.torch_kernel import TorchAttentionKernel
+            self._fallback_kernel = FlashAttentionKernel() if FlashAttentionKernel.is_available() \
+                else TorchAttentionKernel()
+        described = ", ".join(f"{key}={value}" for key, value in shape.items())
+        warn_once_on_rank0(_log, f"megatron_hsap: {self._label} has no fused attention backend for {described} "
+                                 f"({self._device}); such calls use the {self._fallback_kernel.name!r} kernel",
+                           key=("te-fallback",) + tuple(v for k, v in shape.items() if not k.startswith("max_")))
+        return self._fallback_kernel
 
     @classmethod
     def check_inputs(cls, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, blocks: AttentionBlocks) -> None:
@@ -237,9 +246,9 @@ class TEAttentionKernel(VarlenPassKernel):
                 softmax_scale: float) -> Tuple[torch.Tensor, torch.Tensor]:
         """As ``VarlenPassKernel.forward``; delegated whole to the fallback kernel when a pass is unsupported."""
         self.check_inputs(q, k, v, blocks)
-        reason = self._unsupported_pass(q, k, blocks)
-        if reason is not None:
-            return self._fallback(reason).forward(q, k, v, blocks, softmax_scale)
+        unsupported = self._unsupported_pass(q, k, blocks)
+        if unsupported is not None:
+            return self._fallback(unsupported).forward(q, k, v, blocks, softmax_scale)
         return super().forward(q, k, v, blocks, softmax_scale)
 
     def backward(self, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -247,9 +256,9 @@ class TEAttentionKernel(VarlenPassKernel):
                  softmax_scale: float) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """As ``VarlenPassKernel.backward``; the same delegation decision as the forward of these blocks."""
         self.check_inputs(q, k, v, blocks)
-        reason = self._unsupported_pass(q, k, blocks)
-        if reason is not None:
-            return self._fallback(reason).backward(dout, q, k, v, out, lse, blocks, softmax_scale)
+        unsupported = self._unsupported_pass(q, k, blocks)
+        if unsupported is not None:
+            return self._fallback(unsupported).backward(dout, q, k, v, out, lse, blocks, softmax_scale)
         return super().backward(dout, q, k, v, out, lse, blocks, softmax_scale)
 
     def _common_values(self, p: VarlenPass, q: torch.Tensor, softmax_scale: float) -> dict:
