@@ -1,6 +1,6 @@
 """The flash/TE kernels against fake libraries that carry each supported release's real signatures.
 
-The fakes (``install_fake_te`` / ``install_fake_flash``) take their function signatures from
+The fakes (``FakeTE(...).install`` / ``install_fake_flash``) take their function signatures from
 ``tests/library_signatures.py``, transcribed from the libraries' public source per release: a call
 the installed release would reject (unknown keyword, missing argument, wrong arity of TE's
 positional backend query) is a TypeError here too, and arguments whose meaning changed between
@@ -18,7 +18,7 @@ import inspect
 import logging
 import sys
 import types
-from typing import Callable, Dict, List, Tuple
+from typing import Callable, Dict, Tuple
 
 import pytest
 import torch
