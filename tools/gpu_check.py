@@ -315,8 +315,8 @@ def one_rank_cp_group(device: torch.device, kernel_name: str) -> Iterator[CPTopo
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
-        if device.type == "cuda":
-            torch.cuda.set_device(device)
+        if device.type == "cuda":  # NCCL binds the process to the current device
+            torch.cuda.set_device(device.index if device.index is not None else torch.cuda.current_device())
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
                                 init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
     try:
