@@ -19,6 +19,11 @@ rows; key ranges may repeat across blocks), so one kernel call becomes several
 
 Subclasses provide only the per-pass library calls (``_pass_forward`` and
 ``_pass_backward``) and the head-dim limits of their library.
+
+Also here, for both libraries: ``DEVICE_INDEX_CACHE``, the byte-bounded LRU cache
+of the index tensors the passes need on the device (cu_seqlens, gathered row
+indices), and ``accepted_keywords``, which builds a library call's keyword
+arguments from the installed signature and refuses parameters not reviewed.
 """
 
 from __future__ import annotations
