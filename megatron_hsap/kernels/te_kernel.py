@@ -26,10 +26,10 @@ excluded) building the kernel is a RuntimeError with the reason, which
 ``get_kernel("auto")`` turns into a fall-back to flash-attn, then torch -- and
 once per distinct pass shape (dtype, heads, KV heads, head dim, mask, max
 lengths; GQA + THD needs cuDNN >= 9.6, a bottom-right causal mask cuDNN >= 9.6
-with lengths a multiple of 64 or cuDNN >= 9.7). A call with a pass TE does not
+with lengths a multiple of 64, or TE >= 2.2 with cuDNN >= 9.7). A call with a pass TE does not
 support is delegated whole (forward and backward alike, same blocks, same
 decision) to the flash kernel if it is available, else the torch kernel, with
-one warning on rank 0 per reason. Causal passes whose segments are square use
+one warning on rank 0 per shape class. Causal passes whose segments are square use
 the top-left ``padding_causal`` mask (the same mask there, accepted by older
 cuDNN); others ``padding_causal_bottom_right``, the alignment of base.py.
 
