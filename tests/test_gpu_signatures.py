@@ -339,6 +339,13 @@ def test_te_2_15_needs_the_thd_output_format(monkeypatch, cpu_as_cuda):
         kernel.forward(q, k, v, BLOCKS, SCALE)
 
 
+def test_the_newest_verified_releases_are_the_newest_transcribed():
+    from megatron_hsap.kernels import flash_kernel, te_kernel
+    newest = lambda releases: max(tuple(int(x) for x in r.split(".")) for r in releases)  # noqa: E731
+    assert te_kernel.NEWEST_VERIFIED == newest(TE_RELEASES)
+    assert flash_kernel.NEWEST_VERIFIED == newest(FLASH_RELEASES)
+
+
 def test_unsupported_library_versions_are_clear_errors(monkeypatch):
     install_fake_flash(monkeypatch, "2.8.3")
     monkeypatch.setattr(sys.modules["flash_attn"], "__version__", "2.5.9")

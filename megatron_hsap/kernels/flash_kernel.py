@@ -35,6 +35,7 @@ from megatron_hsap.kernels.gpu_common import VarlenPass, VarlenPassKernel, accep
 
 MIN_VERSION = (2, 6, 0)
 MAX_VERSION_EXCLUSIVE = (3, 0, 0)
+NEWEST_VERIFIED = (2, 8, 3)  # the newest release whose signatures were read (tests/library_signatures.py)
 
 FWD_PASSED = ("q", "k", "v", "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k", "dropout_p",
               "softmax_scale", "causal", "return_attn_probs")
@@ -58,7 +59,8 @@ class FlashAttentionKernel(VarlenPassKernel):
 
         label = f"flash-attn {getattr(flash_attn, '__version__', '?')}"
         version = version_tuple(getattr(flash_attn, "__version__", "0"))
-        hint = "install flash-attn>=2.6.0,<3 (signatures verified up to 2.8.3) or use kernel='te' or 'torch'"
+        hint = (f"install flash-attn>=2.6.0,<3 (signatures verified up to {'.'.join(map(str, NEWEST_VERIFIED))}) "
+                "or use kernel='te' or 'torch'")
         if not MIN_VERSION <= version < MAX_VERSION_EXCLUSIVE:
             raise RuntimeError(f"{label} is not supported by megatron_hsap's 'flash' kernel; {hint}")
         self._varlen_func = flash_attn_interface.flash_attn_varlen_func

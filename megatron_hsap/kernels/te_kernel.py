@@ -57,10 +57,11 @@ from megatron_hsap.kernels.gpu_common import (VarlenPass, VarlenPassKernel, acce
                                               split_into_passes, version_tuple, warn_once_on_rank0)
 
 MIN_VERSION = (2, 0, 0)
-NEWEST_VERIFIED = (2, 18)
+NEWEST_VERIFIED = (2, 18)  # the newest release whose signatures were read (tests/library_signatures.py)
 RAGGED_STATS_CUDNN = (9, 6, 0)
 PROBE_SHAPE = dict(h_q=8, h_kv=8, head_dim=128, max_seqlen_q=4096, max_seqlen_kv=4096)
-PACKAGE_HINT = "transformer-engine[pytorch]>=2.0 (signatures verified up to 2.18)"
+PACKAGE_HINT = ("transformer-engine[pytorch]>=2.0 (signatures verified up to "
+                + ".".join(map(str, NEWEST_VERIFIED)) + ")")
 
 # What this kernel passes to fused_attn_fwd / fused_attn_bwd (each only where the installed function has it)
 # and the parameters it leaves at their defaults, reviewed in every release from 2.0 to 2.18.
