@@ -403,6 +403,7 @@ def test_te_delegates_unsupported_shapes_to_the_fallback(monkeypatch, caplog, cp
     fwd_calls = fake.calls["fwd"]
     kernel.forward(q, k, v, other, SCALE)
     assert (fake.calls["fwd"] == fwd_calls) is delegated
+    assert kernel.fallback_calls == (3 if delegated else 0)  # two forwards, one backward
     messages = [r.message for r in caplog.records if "no fused attention backend" in r.message]
     assert len(messages) == (1 if delegated else 0)  # once, though forward and backward of two batches delegated
     if delegated:

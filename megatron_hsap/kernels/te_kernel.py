@@ -192,6 +192,8 @@ class TEAttentionKernel(VarlenPassKernel):
         self._ragged_stats = cudnn >= RAGGED_STATS_CUDNN and capability != (12, 0)
         self._supported = lru_cache(maxsize=4096)(self._query_supported)
         self._fallback_kernel: Optional[AttentionKernel] = None
+        #: calls (forward or backward) delegated to the fallback kernel; reports show it next to TE's figures
+        self.fallback_calls = 0
         try:
             supported = self._supported(torch.bfloat16, causal_mask="padding_causal", **PROBE_SHAPE)
         except (TypeError, ValueError) as err:  # pybind11 rejects the arguments: a query layout new to us
@@ -231,6 +233,7 @@ class TEAttentionKernel(VarlenPassKernel):
             from megatron_hsap.kernels.torch_kernel import TorchAttentionKernel
             self._fallback_kernel = FlashAttentionKernel() if FlashAttentionKernel.is_available() \
                 else TorchAttentionKernel()
+        self.fallback_calls += 1
         described = ", ".join(f"{key}={value}" for key, value in shape.items())
         warn_once_on_rank0(_log, f"megatron_hsap: {self._label} has no fused attention backend for {described} "
                                  f"({self._device}); such calls use the {self._fallback_kernel.name!r} kernel",
