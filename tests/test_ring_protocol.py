@@ -161,7 +161,7 @@ def test_inputs_that_differ_between_ranks_raise_on_every_rank(case, expected):
 def _bf16_upipe() -> List[float]:
     import torch.distributed as dist
 
-    from megatron_hsap.attention.upipe import head_chunked_attention, rope_angles
+    from megatron_hsap.attention.upipe import head_chunked_attention
     from megatron_hsap.config import ContextParallelConfig
     from megatron_hsap.parallel_state import initialize_model_parallel
     from megatron_hsap.sequence.doc_lengths import cu_seqlens_from_lengths

@@ -1,7 +1,9 @@
 """Local attention kernels behind one interface (see ``base.py``).
 
 ``get_kernel("auto")`` picks TransformerEngine, then flash-attn, then the pure
-PyTorch kernel, and logs its choice once. An explicitly requested kernel whose
+PyTorch kernel, and logs its choice once; a library that is installed but refuses
+this device or release (e.g. TE on a pre-Hopper GPU) is named with its reason in
+one warning on rank 0. An explicitly requested kernel whose
 package is missing is an error that names the package to install.
 """
 
@@ -13,6 +15,7 @@ from functools import lru_cache
 
 from megatron_hsap.config import KERNELS
 from megatron_hsap.kernels.base import AttentionBlocks, AttentionKernel, check_kernel_inputs
+from megatron_hsap.kernels.gpu_common import warn_once_on_rank0
 
 __all__ = ["AttentionBlocks", "AttentionKernel", "check_kernel_inputs", "get_kernel"]
 
@@ -26,9 +29,13 @@ _REGISTRY = {
 }
 
 
+def _kernel_class(name: str) -> type:
+    module_name, class_name, _ = _REGISTRY[name]
+    return getattr(importlib.import_module(module_name), class_name)
+
+
 def _load(name: str) -> AttentionKernel:
-    module_name, class_name, package = _REGISTRY[name]
-    cls = getattr(importlib.import_module(module_name), class_name)
+    cls, package = _kernel_class(name), _REGISTRY[name][2]
     if not cls.is_available():
         raise RuntimeError(f"attention kernel {name!r} needs the package {package!r} and a CUDA device; "
                            f"install it (pip install {package}) or use kernel='torch'")
@@ -42,11 +49,18 @@ def get_kernel(name: str = "auto") -> AttentionKernel:
         raise ValueError(f"kernel={name!r} is not supported; allowed values: {', '.join(map(repr, KERNELS))}")
     if name != "auto":
         return _load(name)
+    refused = []  # installed with CUDA, yet unusable here (version, device, cuDNN): worth one clear message
     for candidate in ("te", "flash", "torch"):
         try:
             kernel = _load(candidate)
-        except (ImportError, RuntimeError):
+        except (ImportError, RuntimeError) as err:
+            if _kernel_class(candidate).is_available():
+                refused.append(f"{candidate!r}: {err}")
             continue
-        _log.info("megatron_hsap: attention kernel 'auto' selected %r", candidate)
+        if refused:
+            warn_once_on_rank0(_log, f"megatron_hsap: attention kernel 'auto' selected {candidate!r}, not "
+                                     + "; ".join(refused))
+        else:
+            _log.info("megatron_hsap: attention kernel 'auto' selected %r", candidate)
         return kernel
     raise AssertionError("the torch kernel is always available")

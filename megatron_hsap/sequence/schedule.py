@@ -19,7 +19,7 @@ from typing import Dict, List, Sequence, Tuple
 import numpy as np
 import torch
 
-from megatron_hsap.device_cache import DeviceTensorCache
+from megatron_hsap.device_cache import cached_device_index
 from megatron_hsap.kernels.base import AttentionBlocks
 from megatron_hsap.sequence.layouts import Segment
 
@@ -41,10 +41,8 @@ class RowRanges:
         return sum(e - s for s, e in self.ranges)
 
     def _index(self, device: torch.device) -> torch.Tensor:
-        def build() -> torch.Tensor:
-            index = torch.cat([torch.arange(s, e, dtype=torch.int64) for s, e in self.ranges])
-            return index.to(device, non_blocking=True) if device.type != "cpu" else index
-        return _ROW_INDEX_CACHE.get((self.ranges, device), build)
+        return cached_device_index(("ring rows", self.ranges), device,
+                                   lambda: torch.cat([torch.arange(s, e, dtype=torch.int64) for s, e in self.ranges]))
 
     def gather_into(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """``out[:] = x[rows]`` along dim 0 (one copy; ``out`` may be a strided view); returns ``out``."""
@@ -60,10 +58,6 @@ class RowRanges:
             out[s:e] += rows
         else:
             out.index_add_(0, self._index(out.device), rows.to(out.dtype))
-
-
-#: Row indices of multi-range sends, per device (see ``device_cache``).
-_ROW_INDEX_CACHE = DeviceTensorCache()
 
 
 @dataclass(frozen=True)
