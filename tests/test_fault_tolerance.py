@@ -47,7 +47,8 @@ def _same_losses(records: List[Dict], reference: List[Dict]) -> None:
     """Bit-identical loss, grad norm and learning rate per iteration (same layout, same data, same state)."""
     ref = {r["iteration"]: r for r in reference}
     for r in records:
-        assert (r["loss"], r["grad_norm"], r["lr"]) == tuple(ref[r["iteration"]][k] for k in ("loss", "grad_norm", "lr"))
+        expected = ref[r["iteration"]]
+        assert (r["loss"], r["grad_norm"], r["lr"]) == (expected["loss"], expected["grad_norm"], expected["lr"])
 
 
 def _processes_with_marker(marker: str) -> List[int]:

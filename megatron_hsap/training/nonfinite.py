@@ -12,7 +12,7 @@ ranks and layers, before the optimizer step, so the step is never applied.
 
 from __future__ import annotations
 
-from typing import Any, List, Optional
+from typing import Any, Dict, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -40,12 +40,14 @@ class NonFiniteCheck:
     def _reset(self) -> None:
         self.loss_bad = torch.zeros((), dtype=torch.bool, device=self.device)
         self.grad_bad = torch.zeros((), dtype=torch.bool, device=self.device)
-        self.attention_bad: List[Any] = []  # (layer number, bool tensor) per attention call
+        self.attention_bad: Dict[int, torch.Tensor] = {}  # global layer number -> output ever non-finite
         self.bad_grads = None
 
     def _attention_hook(self, module: Any, _inputs: Any, output: Any) -> None:
         out = output[0] if isinstance(output, tuple) else output
-        self.attention_bad.append((int(module.layer_number), _not_finite(out.detach())))
+        layer = int(module.layer_number)
+        bad = _not_finite(out.detach())
+        self.attention_bad[layer] = self.attention_bad[layer] | bad if layer in self.attention_bad else bad
 
     def record_loss(self, local_loss_sum: torch.Tensor) -> None:
         """Note a micro-batch's (this rank's) loss sum."""
@@ -66,11 +68,14 @@ class NonFiniteCheck:
 
     def raise_if_found(self, iteration: int) -> None:
         """Collective (all ranks): RuntimeError on every rank when any rank saw NaN/Inf in this iteration."""
-        layers = [layer for layer, bad in self.attention_bad if bool(bad)]
         world, rank = dist.get_world_size(), dist.get_rank()
         table = torch.zeros(world, 3, dtype=torch.float64, device=self.device)
         table[rank, 0], table[rank, 1] = self.loss_bad.double(), self.grad_bad.double()
-        table[rank, 2] = min(layers) if layers else 0
+        if self.attention_bad:
+            numbers = torch.tensor(sorted(self.attention_bad), dtype=torch.float64, device=self.device)
+            bad = torch.stack([self.attention_bad[n] for n in sorted(self.attention_bad)])
+            first = torch.where(bad, numbers, torch.full_like(numbers, float("inf"))).min()
+            table[rank, 2] = torch.where(torch.isinf(first), torch.zeros_like(first), first)  # 0: none
         dist.all_reduce(table)
         bad_grads = self.bad_grads
         self._reset()
