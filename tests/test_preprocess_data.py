@@ -66,7 +66,8 @@ def test_token_ids_beyond_vocab_size_are_refused(tmp_path):
     result = _preprocess("--input", str(src), "--output-prefix", str(tmp_path / "out"), "--tokenizer-type",
                          "NullTokenizer", "--vocab-size", "512")
     assert result.returncode == 2
-    assert "document 2 has token id 700, outside the tokenizer's vocabulary [0, 513)" in result.stderr  # NullTokenizer: + EOD
+    # NullTokenizer's vocabulary is --vocab-size plus its EOD id
+    assert "document 2 has token id 700, outside the tokenizer's vocabulary [0, 513)" in result.stderr
     assert not (tmp_path / "out_text_document.bin").exists()
 
 
