@@ -12,6 +12,8 @@ The parent is the run's watchdog, as torchrun's elastic agent is for GPU runs:
   killed rank, as a shell reports it), so a bad run never hangs;
 - each rank is the leader of its own process group, and every group is killed at
   the end, so no helper a rank started (e.g. dist_checkpointing's Manager) survives;
+  a rank is also SIGKILLed by the kernel if the launcher itself dies (Linux
+  ``PR_SET_PDEATHSIG``);
 - SIGTERM, SIGUSR1, SIGUSR2, SIGINT and SIGHUP sent to the parent are forwarded to
   every rank (with ``--exit-signal-handler`` the ranks then save and exit 0).
 """
@@ -19,6 +21,7 @@ The parent is the run's watchdog, as torchrun's elastic agent is for GPU runs:
 from __future__ import annotations
 
 import argparse
+import ctypes
 import multiprocessing
 import os
 import signal
@@ -46,9 +49,20 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _die_with_parent(parent: int) -> None:
+    """Ask Linux to SIGKILL this process when the launcher dies (no-op elsewhere)."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != parent:  # the launcher died before the request took effect
+        os._exit(128 + signal.SIGKILL)
+
+
 def _rank_main(rank: int, nproc: int, port: int, main: Callable[[argparse.Namespace], int],
-               args: argparse.Namespace, shared_progress: object) -> None:
+               args: argparse.Namespace, shared_progress: object, parent: int) -> None:
     os.setpgid(0, 0)  # own process group: the launcher can kill the rank with everything it started
+    _die_with_parent(parent)
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(nproc), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(nproc),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
                       OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
@@ -93,7 +107,8 @@ def spawn_local_ranks(nproc: int, main: Callable[[argparse.Namespace], int], arg
     ctx = multiprocessing.get_context("fork")
     port = _free_port()
     shared = ctx.Array("d", progress.FIELDS * nproc, lock=False)
-    procs = [ctx.Process(target=_rank_main, args=(rank, nproc, port, main, args, shared)) for rank in range(nproc)]
+    procs = [ctx.Process(target=_rank_main, args=(rank, nproc, port, main, args, shared, os.getpid()))
+             for rank in range(nproc)]
     for p in procs:
         p.start()
     for p in procs:  # also here: a signal may come before a child ran its own setpgid
