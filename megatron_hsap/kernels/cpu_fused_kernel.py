@@ -115,14 +115,13 @@ def _build_schedule(blocks: AttentionBlocks) -> List[_Batch]:
             batches.append([(qs, ks)])
             starts.append([qs])
     schedule = []
-    written: List[Tuple[int, int]] = []  # query ranges of earlier batches
+    written = torch.zeros(max(blocks.q_ends, default=0), dtype=torch.bool)  # query rows of earlier batches
     for (causal, sq, sk), batches in groups.items():
         for members in batches:
-            q_starts = [qs for qs, _ in members]
-            fresh = not any(a < qs + sq and qs < b for qs in q_starts for a, b in written)
-            written.extend((qs, qs + sq) for qs in q_starts)
-            schedule.append(_Batch(causal, sq, sk, len(members), _rows(q_starts, sq),
-                                   _rows([ks for _, ks in members], sk), fresh))
+            q_rows = _rows([qs for qs, _ in members], sq)
+            fresh = not bool(written[q_rows].any())
+            written[q_rows] = True
+            schedule.append(_Batch(causal, sq, sk, len(members), q_rows, _rows([ks for _, ks in members], sk), fresh))
     return schedule
 
 
