@@ -42,7 +42,7 @@ def _run_cases(mode: str, ulysses_size: Optional[int], ranks_per_node: int, layo
     cp = dist.get_world_size()
     topo = initialize_model_parallel(context_parallel_size=cp, ranks_per_node=ranks_per_node,
                                      cp_config=ContextParallelConfig(mode=mode, ulysses_size=ulysses_size,
-                                                                     kernel="torch"))
+                                                                     kernel="cpu_fused"))
     errors: Dict[str, float] = {}
     combos = itertools.cycle(itertools.product(HEAD_SHAPES[topo.ulysses_size], HEAD_DIMS, (True, False),
                                                (torch.float64, torch.float32)))

@@ -55,7 +55,7 @@ def _attend(lengths, mode, ulysses_size, ranks_per_node, layout, h_q, h_kv, d, d
 
     topo = initialize_model_parallel(context_parallel_size=dist.get_world_size(), ranks_per_node=ranks_per_node,
                                      cp_config=ContextParallelConfig(mode=mode, ulysses_size=ulysses_size,
-                                                                     kernel="torch"))
+                                                                     kernel="cpu_fused"))
     cu = cu_seqlens_from_lengths(lengths)
     plan = plan_batch(cu, topo, layout)
     gen = torch.Generator().manual_seed(7)
@@ -132,7 +132,7 @@ def _mismatch(case: str) -> str:
     from megatron_hsap.sequence.plan import plan_batch
 
     topo = initialize_model_parallel(context_parallel_size=4, ranks_per_node=2,
-                                     cp_config=ContextParallelConfig(mode="hybrid", ulysses_size=2, kernel="torch"))
+                                     cp_config=ContextParallelConfig(mode="hybrid", ulysses_size=2, kernel="cpu_fused"))
     rank = topo.cp_rank
     lengths = [40, 24] if not (case == "cu_seqlens" and rank == 2) else [24, 40]
     plan = plan_batch(cu_seqlens_from_lengths(lengths), topo, "zigzag")
@@ -169,7 +169,7 @@ def _bf16_upipe() -> List[float]:
     from tests.reference import dense_attention as reference
 
     topo = initialize_model_parallel(context_parallel_size=4, ranks_per_node=2,
-                                     cp_config=ContextParallelConfig(mode="hsap", ulysses_size=2, kernel="torch"))
+                                     cp_config=ContextParallelConfig(mode="hsap", ulysses_size=2, kernel="cpu_fused"))
     lengths = [70, 9, 1, 48]
     cu = cu_seqlens_from_lengths(lengths)
     plan = plan_batch(cu, topo)

@@ -46,7 +46,7 @@ def _run_cases(mode: str, ulysses_size, ranks_per_node: int, cases: List[Tuple])
 
     topo = initialize_model_parallel(context_parallel_size=dist.get_world_size(), ranks_per_node=ranks_per_node,
                                      cp_config=ContextParallelConfig(mode=mode, ulysses_size=ulysses_size,
-                                                                     kernel="torch"))
+                                                                     kernel="cpu_fused"))
     worst, ran = 0.0, 0
     for index, (lengths, layout, (h_q, h_kv), causal) in enumerate(cases):
         cu = cu_seqlens_from_lengths(lengths)
