@@ -37,7 +37,7 @@ from typing import Dict, List, Tuple, Union
 
 import torch
 
-from megatron_hsap.kernels.base import AttentionBlocks, check_kernel_inputs, merge_partial_attention
+from megatron_hsap.kernels.base import AttentionBlocks, check_kernel_inputs, merge_partial_attention_
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 #: Schedules kept per block structure (forward and backward of every layer share one).
@@ -216,9 +216,10 @@ class CpuFusedAttentionKernel:
                 _stacked(q, batch.q_rows, batch.count), _stacked(k, batch.k_rows, batch.count),
                 _stacked(v, batch.k_rows, batch.count), 0.0, batch.causal, scale=softmax_scale)
             part_out, part_lse = _flat(part_out), part_lse.transpose(0, 1).reshape(h_q, -1)
-            if not batch.fresh:
-                part_out, part_lse = merge_partial_attention(_take(out, batch.q_rows), _take(lse, batch.q_rows, 1),
-                                                             part_out, part_lse)
+            if not batch.fresh:  # fold into the rows' earlier result (a view for slices, a copy for indices)
+                merged = _take(out, batch.q_rows)
+                part_lse = merge_partial_attention_(merged, _take(lse, batch.q_rows, 1), part_out, part_lse)
+                part_out = merged
             _store(out, batch.q_rows, part_out)
             _store(lse, batch.q_rows, part_lse, dim=1)
         return out.to(out_dtype), lse
