@@ -138,6 +138,14 @@ def _split_member(member: torch.Tensor, hq_u: int, dim: int = 1) -> Tuple[torch.
     return member.split((hq_u, hkv_u, hkv_u), dim=dim)
 
 
+def _fail_with_peers(error: ValueError) -> None:
+    """Raise ``error`` on a rank whose plan cannot name its CP group: it first joins the agreement of the
+    initialised topology (if any), where its peers are about to compare inputs, so they raise too."""
+    if cp_topology_is_initialized():
+        agree_across_cp_ranks(get_cp_topology(), {}, error, None)
+    raise error
+
+
 def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: BatchPlan, *,
                                causal: bool = True, softmax_scale: Optional[float] = None) -> torch.Tensor:
     """Exact attention of a packed batch spread over the CP group.
@@ -150,10 +158,7 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     Bad or mismatched input raises the same ValueError on every CP rank before any collective.
     """
     if not isinstance(plan, BatchPlan):
-        error = ValueError(f"plan must be a BatchPlan from plan_batch(...), got {type(plan).__name__}")
-        if cp_topology_is_initialized():  # peers with a good plan are about to agree: join them, then fail
-            agree_across_cp_ranks(get_cp_topology(), {}, error, None)
-        raise error
+        _fail_with_peers(ValueError(f"plan must be a BatchPlan from plan_batch(...), got {type(plan).__name__}"))
     topo = plan.topology
     error, kv_heads = None, 0
     try:
@@ -161,7 +166,7 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     except ValueError as err:
         error = err
     if topo.is_offline:
-        raise error
+        _fail_with_peers(error)
     fields = {"cu_seqlens": plan.doc_lengths, "layout": plan.layout, "topology": topo.signature(),
               "causal": bool(causal), "softmax_scale": softmax_scale, "kernel": topo.config.kernel}
     if error is None:
