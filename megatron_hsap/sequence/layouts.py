@@ -4,10 +4,13 @@ A layout maps document lengths to, per CP rank, a list of ``(doc_index, doc_star
 doc_end)`` segments in local order; every rank holds ``tokens_per_rank`` slots, the
 slots after its segments being padding (zero output, zero gradient, masked loss).
 
-- ``zigzag``: per document, TE-style: the document is padded to a multiple of 2C
-  and cut into 2C equal chunks, rank r keeping chunks r and 2C-1-r (balances causal
-  work per document, moves every document across every rank). Padding per document
-  is ``ceil(L / 2C) * 2C - L`` tokens; it is gathered at the end of each rank's slots.
+- ``zigzag``: per document, TE-style, over the ring members: a document is cut into 2R
+  chunks (R = ring size), ring member r keeping chunks r and 2R-1-r, which balances
+  causal work per document. No padding: a document's L % 2R remainder tokens go one
+  each to chunks taken round-robin over the members (continuing from the previous
+  document), so every member holds the same number of tokens up to one. A member's
+  share (its chunks in document order) is then cut contiguously over its Ulysses ranks,
+  so after the all-to-all a document is at most two contiguous ranges per member.
 - ``contiguous``: the packed stream cut into C equal pieces (tail padding only).
 - ``sequence-aware``: documents placed by cost, see ``placement.py``.
 """
@@ -19,21 +22,64 @@ from typing import List, Sequence, Tuple
 Segment = Tuple[int, int, int]  # (doc_index, doc_start, doc_end): tokens [doc_start, doc_end) of one document
 
 
-def zigzag_layout(doc_lengths: Sequence[int], cp_size: int) -> Tuple[List[List[Segment]], int]:
-    chunks = 2 * cp_size
-    rank_segments: List[List[Segment]] = [[] for _ in range(cp_size)]
-    tokens_per_rank = 0
+def zigzag_layout(doc_lengths: Sequence[int], cp_size: int,
+                  ulysses_size: int = 1) -> Tuple[List[List[Segment]], int]:
+    if cp_size < 1 or ulysses_size < 1 or cp_size % ulysses_size:
+        raise ValueError(f"cp_size={cp_size} must be a positive multiple of ulysses_size={ulysses_size}")
+    ring = cp_size // ulysses_size
+    chunks = 2 * ring
+    tokens_per_rank = -(-sum(doc_lengths) // cp_size)
+    streams: List[List[Segment]] = [[] for _ in range(ring)]
+    # Chunk receiving the t-th remainder token in round-robin order: the first chunks of members
+    # 0..R-1, then their second chunks, so any run of R consecutive remainders reaches every member once.
+    order = list(range(ring)) + [chunks - 1 - m for m in range(ring)]
+    turn = 0
     for doc, length in enumerate(doc_lengths):
         if length == 0:
             continue
-        chunk = -(-length // chunks)
-        tokens_per_rank += 2 * chunk
-        for rank in range(cp_size):
-            for index in (rank, chunks - 1 - rank):
-                start, end = index * chunk, min((index + 1) * chunk, length)
-                if end > start:
-                    rank_segments[rank].append((doc, start, end))
-    return rank_segments, tokens_per_rank
+        if ring == 1:
+            streams[0].append((doc, 0, length))
+            continue
+        base, remainder = divmod(length, chunks)
+        sizes = [base] * chunks
+        for t in range(turn, turn + remainder):
+            sizes[order[t % chunks]] += 1
+        turn = (turn + remainder) % chunks
+        starts = [0] * (chunks + 1)
+        for c in range(chunks):
+            starts[c + 1] = starts[c] + sizes[c]
+        for m in range(ring):
+            for c in (m, chunks - 1 - m):
+                if sizes[c]:
+                    streams[m].append((doc, starts[c], starts[c + 1]))
+    out: List[List[Segment]] = []
+    for stream in streams:
+        out.extend(split_member_stream(stream, ulysses_size, tokens_per_rank))
+    return out, tokens_per_rank
+
+
+def split_member_stream(stream: Sequence[Segment], ulysses_size: int, tokens_per_rank: int) -> List[List[Segment]]:
+    """Cut a ring member's segments (in buffer order) into ``ulysses_size`` consecutive ranks of at most
+    ``tokens_per_rank`` tokens each: after the all-to-all the member buffer is the stream again."""
+    ranks: List[List[Segment]] = []
+    pos, offset = 0, 0  # next segment, tokens of it already given out
+    for _ in range(ulysses_size):
+        rank: List[Segment] = []
+        need = tokens_per_rank
+        while need and pos < len(stream):
+            doc, s, e = stream[pos]
+            s += offset
+            take = min(need, e - s)
+            rank.append((doc, s, s + take))
+            need -= take
+            if s + take == e:
+                pos, offset = pos + 1, 0
+            else:
+                offset += take
+        ranks.append(rank)
+    if pos < len(stream):
+        raise AssertionError(f"member stream does not fit {ulysses_size} ranks of {tokens_per_rank} tokens")
+    return ranks
 
 
 def contiguous_layout(doc_lengths: Sequence[int], cp_size: int) -> Tuple[List[List[Segment]], int]:

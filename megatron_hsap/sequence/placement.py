@@ -35,38 +35,50 @@ import math
 from typing import List, Optional, Sequence, Tuple
 
 from megatron_hsap.sequence.cost_model import CostModel, causal_area
+from megatron_hsap.sequence.layouts import Segment, split_member_stream
 
 __all__ = ["sequence_aware_placement"]
 
-Segment = Tuple[int, int, int]  # (doc_index, doc_start, doc_end)
 Ranges = Tuple[Tuple[int, int], ...]  # disjoint, increasing in-document ranges of one document
 
 # Items whose area is above this fraction of the smaller side's target are placed one by one (step 3);
 # the others are dealt as a window (step 4), whose area error is at most about one such item.
 _HEAVY = 0.001
+# A side may miss its attention target by this fraction (the rest of the hierarchy adds its own error).
+_SLACK = 0.002
 
 
 class _Item:
     """Some tokens of one document (``ranges``, increasing), seen as one stream of ``length`` tokens."""
 
-    __slots__ = ("doc", "ranges", "length", "area")
+    __slots__ = ("doc", "ranges", "length", "area", "_offsets", "_areas")
 
     def __init__(self, doc: int, ranges: Ranges) -> None:
         self.doc = doc
         self.ranges = ranges
-        self.length = sum(e - s for s, e in ranges)
-        self.area = sum(causal_area(s, e) for s, e in ranges)
+        if len(ranges) == 1:
+            s, e = ranges[0]
+            self.length, self.area = e - s, causal_area(s, e)
+            self._offsets = None
+        else:
+            offsets, areas = [0], [0]
+            for s, e in ranges:
+                offsets.append(offsets[-1] + e - s)
+                areas.append(areas[-1] + causal_area(s, e))
+            self.length, self.area = offsets[-1], areas[-1]
+            self._offsets, self._areas = offsets, areas
 
     def area_before(self, offset: int) -> int:
         """Causal area of the first ``offset`` tokens of the stream."""
-        area = 0
-        for s, e in self.ranges:
-            if offset <= 0:
-                break
-            take = min(e - s, offset)
-            area += causal_area(s, s + take)
-            offset -= take
-        return area
+        if self._offsets is None:
+            s = self.ranges[0][0]
+            return causal_area(s, s + min(max(offset, 0), self.length))
+        offset = min(max(offset, 0), self.length)
+        j = bisect.bisect_right(self._offsets, offset) - 1
+        if j >= len(self.ranges):
+            return self.area
+        s = self.ranges[j][0]
+        return self._areas[j] + causal_area(s, s + offset - self._offsets[j])
 
     def sub(self, lo: int, hi: int) -> "_Item":
         """The item made of stream offsets ``[lo, hi)``."""
@@ -167,7 +179,8 @@ class _Bisection:
         self.room = list(rooms)
         self.missing = [float(t) for t in targets]
         self.out: List[List[_Item]] = [[], []]
-        self.slack = 1e-9 * (sum(targets) + 1.0)
+        # A side may end this far from its target: documents are not cut for a smaller gain.
+        self.slack = _SLACK * min(targets) + 1e-5 * (sum(targets) + 1.0)
 
     def feasible(self, side: int, i: int, tokens: int, area: float) -> bool:
         """Whether ``side`` can still meet its target after taking (tokens, area), filled from ``items[i:]``."""
@@ -234,7 +247,7 @@ class _Bisection:
         best = None
         left, right = lo, hi
         for _ in range(3):
-            step = max(1, (right - left) // 32)
+            step = max(1, (right - left) // 8)
             taus = list(range(left, right + 1, step)) + [right]
             for tau in taus:
                 found = horizon(tau)
@@ -394,19 +407,6 @@ def sequence_aware_placement(doc_lengths: Sequence[int], *, ring_size: int, ulys
 
     out: List[List[Segment]] = []
     for items in members:
-        stream = [(it.doc, s, e) for it in _merged(items) for s, e in it.ranges]
-        pos = 0
-        for _ in range(ulysses_size):
-            rank: List[Segment] = []
-            need = tokens_per_rank
-            while need and pos < len(stream):
-                doc, s, e = stream[pos]
-                take = min(need, e - s)
-                rank.append((doc, s, s + take))
-                need -= take
-                if s + take == e:
-                    pos += 1
-                else:
-                    stream[pos] = (doc, s + take, e)
-            out.append(rank)
+        out.extend(split_member_stream([(it.doc, s, e) for it in _merged(items) for s, e in it.ranges],
+                                       ulysses_size, tokens_per_rank))
     return out

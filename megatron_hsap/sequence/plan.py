@@ -90,7 +90,7 @@ class _PlanData:
 def _place(doc_lengths: Tuple[int, ...], topology: CPTopology, layout: str) -> Tuple[List[List[Segment]], int]:
     cp = topology.cp_size
     if layout == "zigzag":
-        return zigzag_layout(doc_lengths, cp)
+        return zigzag_layout(doc_lengths, cp, topology.ulysses_size)
     if layout == "contiguous":
         return contiguous_layout(doc_lengths, cp)
     from megatron_hsap.sequence.placement import sequence_aware_placement
