@@ -44,6 +44,8 @@ Ranges = Tuple[Tuple[int, int], ...]  # disjoint, increasing in-document ranges 
 # Items whose area is above this fraction of the smaller side's target are placed one by one (step 3);
 # the others are dealt as a window (step 4), whose area error is at most about one such item.
 _HEAVY = 0.001
+# The shortest items holding this fraction of a bisection's tokens are shared in proportion to the sides' rooms.
+_TINY = 0.02
 # A side may miss its attention target by this fraction (the rest of the hierarchy adds its own error).
 _SLACK = 0.002
 
@@ -271,31 +273,54 @@ class _Bisection:
             for it in items[i:]:
                 self.put(0, it)
             return
-        # Start of the run: the window of `room` tokens starting at item j has an area decreasing in j.
-        last = bisect.bisect_right(pool.tokens, pool.tokens[-1] - room) - 1  # latest start with room tokens after it
-        last = max(i, min(last, n - 1))
-        target = self.missing[0]
+        taken = [False] * n
+        # The shortest items (2 % of the tokens) are shared in proportion to the rooms: both sides keep short
+        # documents for filling their bins exactly at the next level.
+        total, tiny, t = pool.size(i), 0, n
+        while t > i + 1 and tiny + items[t - 1].length <= _TINY * total:
+            t -= 1
+            tiny += items[t].length
+        shares = [0, 0]
+        for m in range(n - 1, t - 1, -1):
+            side = 0 if shares[0] * self.room[1] <= shares[1] * room and shares[0] + items[m].length <= room else 1
+            shares[side] += items[m].length
+            taken[m] = side == 0
+        gap = room - shares[0]
+        target = self.missing[0] - sum(items[m].area for m in range(t, n) if taken[m])
+        # Start of the run over items[i:t]: the window of `gap` tokens starting at item j has an area decreasing in j.
+        last = bisect.bisect_right(pool.tokens, pool.tokens[t] - gap) - 1  # latest start with `gap` tokens before t
+        last = max(i, min(last, t - 1))
 
         def window(j: int) -> float:
-            return pool.most(j, room)
+            return pool.most(j, min(gap, pool.tokens[t] - pool.tokens[j]))
 
         lo, hi = i, last
         while hi - lo > 1:
             mid = (lo + hi) // 2
             lo, hi = (mid, hi) if window(mid) >= target else (lo, mid)
         j = lo if abs(window(lo) - target) <= abs(window(hi) - target) else hi
-        taken = [False] * n
-        gap, k = room, j
-        while k < n and items[k].length <= gap:
+        k = j
+        while k < t and items[k].length <= gap:
             taken[k] = True
             gap -= items[k].length
             k += 1
-        for m in range(k, n):  # close the gap with the next items that fit, longest first
-            if gap == 0:
-                break
-            if not taken[m] and items[m].length <= gap:
-                taken[m] = True
-                gap -= items[m].length
+        if gap:  # close the gap with the longest items left that fit (the run may have used the shortest)
+            for m in sorted((m for m in range(i, n) if not taken[m]), key=lambda m: (-items[m].length, m)):
+                if items[m].length <= gap:
+                    taken[m] = True
+                    gap -= items[m].length
+                    if gap == 0:
+                        break
+        if gap:  # or exchange a taken item for one `gap` tokens longer (the shortest such pair)
+            taken_by_length = {}
+            for m in range(i, n):
+                if taken[m]:
+                    taken_by_length.setdefault(items[m].length, m)
+            for m in sorted((m for m in range(i, n) if not taken[m]), key=lambda m: (items[m].length, m)):
+                out = taken_by_length.get(items[m].length - gap)
+                if out is not None:
+                    taken[m], taken[out], gap = True, False, 0
+                    break
         cut = None
         if gap:  # no combination fits: cut the shortest item left that is longer than the gap
             cut = next(m for m in range(n - 1, i - 1, -1) if not taken[m] and items[m].length > gap)
@@ -306,6 +331,41 @@ class _Bisection:
                 self.put(1, it.sub(0, it.length - gap))
             else:
                 self.put(0 if taken[m] else 1, items[m])
+
+
+    def mend_cuts(self) -> None:
+        """Undo cuts that only filled rooms: a document on both sides whose piece on one side is as long as a
+        whole, uncut item on the other is reunited by swapping the two, when the areas stay within the slack."""
+        sides = self.out
+        count: dict = {}
+        for side in sides:
+            for it in side:
+                count[it.doc] = count.get(it.doc, 0) + 1
+        by_length = [{}, {}]
+        for side in (0, 1):
+            for k, it in enumerate(sides[side]):
+                if count[it.doc] == 1:
+                    by_length[side].setdefault(it.length, []).append(k)
+        split = sorted({it.doc for it in sides[0] if count[it.doc] > 1} & {it.doc for it in sides[1]})
+        for doc in split:
+            for home in (0, 1):
+                away = [k for k, it in enumerate(sides[1 - home]) if it.doc == doc]
+                if len(away) != 1:
+                    continue
+                piece = sides[1 - home][away[0]]
+                candidates = by_length[home].get(piece.length, [])
+                if not candidates:
+                    continue
+                swap = sides[home][candidates[-1]]
+                delta = piece.area - swap.area
+                if not (abs(self.missing[home] - delta) <= max(abs(self.missing[home]), self.slack)
+                        and abs(self.missing[1 - home] + delta) <= max(abs(self.missing[1 - home]), self.slack)):
+                    continue
+                k = candidates.pop()
+                sides[home][k], sides[1 - home][away[0]] = piece, swap
+                self.missing[home] -= delta
+                self.missing[1 - home] += delta
+                break
 
 
 def _bisect_items(items: List[_Item], rooms: Tuple[int, int], targets: Tuple[float, float]) -> List[List[_Item]]:
@@ -322,6 +382,7 @@ def _bisect_items(items: List[_Item], rooms: Tuple[int, int], targets: Tuple[flo
     for k in range(end):
         state.place_heavy(k)
     state.place_light(end)
+    state.mend_cuts()
     return [_merged(side) for side in state.out]
 
 
