@@ -19,6 +19,8 @@ from __future__ import annotations
 
 from typing import List, Sequence, Tuple
 
+import torch
+
 Segment = Tuple[int, int, int]  # (doc_index, doc_start, doc_end): tokens [doc_start, doc_end) of one document
 
 
@@ -29,29 +31,26 @@ def zigzag_layout(doc_lengths: Sequence[int], cp_size: int,
     ring = cp_size // ulysses_size
     chunks = 2 * ring
     tokens_per_rank = -(-sum(doc_lengths) // cp_size)
-    streams: List[List[Segment]] = [[] for _ in range(ring)]
-    # Chunk receiving the t-th remainder token in round-robin order: the first chunks of members
-    # 0..R-1, then their second chunks, so any run of R consecutive remainders reaches every member once.
-    order = list(range(ring)) + [chunks - 1 - m for m in range(ring)]
-    turn = 0
-    for doc, length in enumerate(doc_lengths):
-        if length == 0:
-            continue
-        if ring == 1:
-            streams[0].append((doc, 0, length))
-            continue
-        base, remainder = divmod(length, chunks)
-        sizes = [base] * chunks
-        for t in range(turn, turn + remainder):
-            sizes[order[t % chunks]] += 1
-        turn = (turn + remainder) % chunks
-        starts = [0] * (chunks + 1)
-        for c in range(chunks):
-            starts[c + 1] = starts[c] + sizes[c]
+    docs = [d for d, n in enumerate(doc_lengths) if n > 0]
+    if ring == 1 or not docs:
+        streams = [[(d, 0, doc_lengths[d]) for d in docs]]
+    else:
+        # Vectorised over documents: chunk sizes [docs, 2R], then each member's two chunks per document.
+        lengths = torch.tensor([doc_lengths[d] for d in docs], dtype=torch.int64)
+        base, remainder = lengths // chunks, lengths % chunks
+        turn = (torch.cumsum(remainder, 0) - remainder) % chunks  # round-robin position of the first remainder
+        # Slot of chunk c in the round-robin order: the first chunks of members 0..R-1, then their second
+        # chunks, so any run of R consecutive remainder tokens reaches every member once.
+        slot = torch.tensor([c if c < ring else 3 * ring - 1 - c for c in range(chunks)], dtype=torch.int64)
+        sizes = base[:, None] + (((slot[None, :] - turn[:, None]) % chunks) < remainder[:, None]).to(torch.int64)
+        ends = torch.cumsum(sizes, 1)
+        bounds = torch.cat([ends - sizes, ends], 1).tolist()  # per document: starts of the 2R chunks, then ends
+        streams = []
         for m in range(ring):
-            for c in (m, chunks - 1 - m):
-                if sizes[c]:
-                    streams[m].append((doc, starts[c], starts[c + 1]))
+            first, second = m, chunks - 1 - m
+            streams.append([seg for d, row in zip(docs, bounds)
+                            for seg in ((d, row[first], row[chunks + first]), (d, row[second], row[chunks + second]))
+                            if seg[2] > seg[1]])
     out: List[List[Segment]] = []
     for stream in streams:
         out.extend(split_member_stream(stream, ulysses_size, tokens_per_rank))
@@ -101,20 +100,30 @@ def contiguous_layout(doc_lengths: Sequence[int], cp_size: int) -> Tuple[List[Li
 
 def check_layout(rank_segments: Sequence[Sequence[Segment]], doc_lengths: Sequence[int], tokens_per_rank: int) -> None:
     """Every token placed exactly once, no rank over capacity: a placement bug must fail loudly, not attend wrongly."""
-    covered = [[] for _ in doc_lengths]
+    pieces: List[Segment] = []
     for rank, segments in enumerate(rank_segments):
         if sum(e - s for _, s, e in segments) > tokens_per_rank:
             raise AssertionError(f"layout puts more than tokens_per_rank={tokens_per_rank} tokens on CP rank {rank}")
-        for doc, start, end in segments:
-            if not (0 <= start < end <= doc_lengths[doc]):
-                raise AssertionError(f"layout segment {(doc, start, end)} is outside document {doc}")
-            covered[doc].append((start, end))
-    for doc, pieces in enumerate(covered):
-        pieces.sort()
-        position = 0
-        for start, end in pieces:
-            if start != position:
-                raise AssertionError(f"layout does not cover document {doc} exactly once at token {position}")
-            position = end
-        if position != doc_lengths[doc]:
-            raise AssertionError(f"layout covers document {doc} up to {position} of {doc_lengths[doc]} tokens")
+        pieces.extend(segments)
+    pieces.sort()
+    doc, position = -1, 0
+    for piece in pieces:
+        d, start, end = piece
+        if d != doc:
+            _check_finished(doc, position, doc_lengths, d)
+            doc, position = d, 0
+        if not (0 <= start < end <= doc_lengths[d]):
+            raise AssertionError(f"layout segment {piece} is outside document {d}")
+        if start != position:
+            raise AssertionError(f"layout does not cover document {d} exactly once at token {position}")
+        position = end
+    _check_finished(doc, position, doc_lengths, len(doc_lengths))
+
+
+def _check_finished(doc: int, position: int, doc_lengths: Sequence[int], next_doc: int) -> None:
+    """Document ``doc`` covered up to its length, and every document before ``next_doc`` after it empty."""
+    if doc >= 0 and position != doc_lengths[doc]:
+        raise AssertionError(f"layout covers document {doc} up to {position} of {doc_lengths[doc]} tokens")
+    for skipped in range(doc + 1, min(next_doc, len(doc_lengths))):
+        if doc_lengths[skipped]:
+            raise AssertionError(f"layout covers document {skipped} up to 0 of {doc_lengths[skipped]} tokens")
