@@ -32,7 +32,9 @@ def zigzag_layout(doc_lengths: Sequence[int], cp_size: int,
     chunks = 2 * ring
     tokens_per_rank = -(-sum(doc_lengths) // cp_size)
     docs = [d for d, n in enumerate(doc_lengths) if n > 0]
-    if ring == 1 or not docs:
+    if not docs:
+        streams: List[List[Segment]] = [[] for _ in range(ring)]
+    elif ring == 1:
         streams = [[(d, 0, doc_lengths[d]) for d in docs]]
     else:
         # Vectorised over documents: chunk sizes [docs, 2R], then each member's two chunks per document.
@@ -46,11 +48,14 @@ def zigzag_layout(doc_lengths: Sequence[int], cp_size: int,
         ends = torch.cumsum(sizes, 1)
         bounds = torch.cat([ends - sizes, ends], 1).tolist()  # per document: starts of the 2R chunks, then ends
         streams = []
-        for m in range(ring):
+        for m in range(ring - 1):
             first, second = m, chunks - 1 - m
             streams.append([seg for d, row in zip(docs, bounds)
                             for seg in ((d, row[first], row[chunks + first]), (d, row[second], row[chunks + second]))
                             if seg[2] > seg[1]])
+        middle = ring - 1  # the last member's two chunks are adjacent: one segment
+        streams.append([(d, row[middle], row[chunks + middle + 1]) for d, row in zip(docs, bounds)
+                        if row[chunks + middle + 1] > row[middle]])
     out: List[List[Segment]] = []
     for stream in streams:
         out.extend(split_member_stream(stream, ulysses_size, tokens_per_rank))

@@ -46,6 +46,8 @@ Ranges = Tuple[Tuple[int, int], ...]  # disjoint, increasing in-document ranges 
 _HEAVY = 0.001
 # The shortest items holding this fraction of a bisection's tokens are shared in proportion to the sides' rooms.
 _TINY = 0.02
+# Items considered (shortest first) when exchanging a few to close a token gap exactly.
+_EXCHANGE = 48
 # A side may miss its attention target by this fraction (the rest of the hierarchy adds its own error).
 _SLACK = 0.002
 
@@ -311,16 +313,9 @@ class _Bisection:
                     gap -= items[m].length
                     if gap == 0:
                         break
-        if gap:  # or exchange a taken item for one `gap` tokens longer (the shortest such pair)
-            taken_by_length = {}
-            for m in range(i, n):
-                if taken[m]:
-                    taken_by_length.setdefault(items[m].length, m)
-            for m in sorted((m for m in range(i, n) if not taken[m]), key=lambda m: (items[m].length, m)):
-                out = taken_by_length.get(items[m].length - gap)
-                if out is not None:
-                    taken[m], taken[out], gap = True, False, 0
-                    break
+        if gap:  # or exchange items: one or two untaken ones in, one or two taken ones out, `gap` tokens more
+            gap = _exchange([m for m in range(i, n) if taken[m]], [m for m in range(i, n) if not taken[m]],
+                            items, taken, gap)
         cut = None
         if gap:  # no combination fits: cut the shortest item left that is longer than the gap
             cut = next(m for m in range(n - 1, i - 1, -1) if not taken[m] and items[m].length > gap)
@@ -366,6 +361,40 @@ class _Bisection:
                 self.missing[home] -= delta
                 self.missing[1 - home] += delta
                 break
+
+
+def _exchange(inside: List[int], outside: List[int], items: List[_Item], taken: List[bool], gap: int) -> int:
+    """Swap the shortest few items so that ``taken`` gains exactly ``gap`` tokens: u - t, u1 + u2 - t or
+    u - t1 - t2 = gap (u: items not taken, t: taken). Returns the gap left (0 on success)."""
+    inside = sorted(inside, key=lambda m: (items[m].length, m))[:_EXCHANGE]
+    outside = sorted(outside, key=lambda m: (items[m].length, m))[:_EXCHANGE]
+    by_length: dict = {}
+    for m in inside:
+        by_length.setdefault(items[m].length, []).append(m)
+
+    def swap(ins: Sequence[int], outs: Sequence[int]) -> int:
+        for m in ins:
+            taken[m] = True
+        for m in outs:
+            taken[m] = False
+        return 0
+
+    for u in outside:
+        t = by_length.get(items[u].length - gap)
+        if t:
+            return swap([u], [t[0]])
+    for x, u1 in enumerate(outside):
+        for u2 in outside[x + 1:]:
+            t = by_length.get(items[u1].length + items[u2].length - gap)
+            if t:
+                return swap([u1, u2], [t[0]])
+    for u in outside:
+        for t1 in inside:
+            rest = items[u].length - gap - items[t1].length
+            t2 = next((m for m in by_length.get(rest, []) if m != t1), None)
+            if t2 is not None:
+                return swap([u], [t1, t2])
+    return gap
 
 
 def _bisect_items(items: List[_Item], rooms: Tuple[int, int], targets: Tuple[float, float]) -> List[List[_Item]]:
