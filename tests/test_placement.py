@@ -282,7 +282,7 @@ def test_attention_balanced_within_2_percent_on_heavy_tailed_batches(nodes: int,
         assert sum(stats.send_bytes_inter) >= inter_node_rows_lower_bound(lengths, nodes) * row_bytes
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=40, deadline=None)
 @given(length=st.integers(1, 200), members=st.integers(2, 5), data=st.data())
 def test_horizon_formula_matches_the_schedules_needed_rows(length: int, members: int, data) -> None:
     """A document split anyhow over members moves, summed over every holder but the one holding its last
