@@ -44,6 +44,9 @@ Ranges = Tuple[Tuple[int, int], ...]  # disjoint, increasing in-document ranges 
 # Items whose area is above this fraction of the smaller side's target are placed one by one (step 3);
 # the others are dealt as a window (step 4), whose area error is at most about one such item.
 _HEAVY = 0.001
+# Between nodes, a heavy item of at most this fraction of the smaller side's tokens is never cut: when it fits
+# neither side whole it joins the light items, whose phase fills rooms exactly by choosing and exchanging items.
+_SHORT = 0.05
 # The shortest items holding this fraction of a bisection's tokens are shared in proportion to the sides' rooms.
 _TINY = 0.02
 # Items considered (shortest first) when exchanging a few to close a token gap exactly.
@@ -175,11 +178,16 @@ def _piece_start(item: _Item, tau: int, area: float, horizon: int) -> int:
     return lo
 
 
+def _density_order(item: _Item) -> tuple:
+    """Sort key: decreasing density (area per token, on an integer scale: deterministic), then document."""
+    return (-item.area * (1 << 20) // item.length, item.doc, item.ranges)
+
+
 class _Bisection:
     """Two sides (0 = left, 1 = right) filled from one pool; see the module docstring."""
 
     def __init__(self, items: List[_Item], rooms: Tuple[int, int], targets: Tuple[float, float]) -> None:
-        self.pool = _Pool(sorted(items, key=lambda it: (-it.area * (1 << 20) // it.length, it.doc, it.ranges)))
+        self.pool = _Pool(sorted(items, key=_density_order))
         self.room = list(rooms)
         self.missing = [float(t) for t in targets]
         self.out: List[List[_Item]] = [[], []]
@@ -200,14 +208,18 @@ class _Bisection:
             self.room[side] -= item.length
             self.missing[side] -= item.area
 
-    def place_heavy(self, i: int) -> None:
+    def place_heavy(self, i: int, short: int) -> bool:
+        """Place heavy item ``i`` whole or cut; False (nothing placed) when it would be cut but has at most
+        ``short`` tokens: such items are left to the light phase, which fills rooms without cutting."""
         item = self.pool.items[i]
         whole = [s for s in (0, 1) if self.feasible(s, i + 1, item.length, item.area)]
         if whole:
             # The densest item left goes to the side whose remaining room needs the denser filling.
             side = max(whole, key=lambda s: (self.missing[s] / self.room[s] if self.room[s] else 0.0, -s))
             self.put(side, item)
-            return
+            return True
+        if item.length <= short:
+            return False
         best = None
         for holder in (0, 1):  # the side that will not hold the item's last token
             cut = self._cheapest_cut(holder, i + 1, item)
@@ -222,6 +234,7 @@ class _Bisection:
         self.put(holder, item.sub(p, p + tau))
         self.put(1 - holder, item.sub(0, p))
         self.put(1 - holder, item.sub(p + tau, item.length))
+        return True
 
     def _cheapest_cut(self, holder: int, i: int, item: _Item) -> Optional[Tuple[int, int, float]]:
         """Cut of ``item`` giving ``holder`` a piece ``[p, p + tau)`` and the other side the rest (with the last
@@ -397,8 +410,10 @@ def _exchange(inside: List[int], outside: List[int], items: List[_Item], taken: 
     return gap
 
 
-def _bisect_items(items: List[_Item], rooms: Tuple[int, int], targets: Tuple[float, float]) -> List[List[_Item]]:
-    """Split ``items`` into two sides of exactly ``rooms`` tokens whose areas approach ``targets``."""
+def _bisect_items(items: List[_Item], rooms: Tuple[int, int], targets: Tuple[float, float],
+                  between_nodes: bool) -> List[List[_Item]]:
+    """Split ``items`` into two sides of exactly ``rooms`` tokens whose areas approach ``targets``.
+    ``between_nodes``: the sides are groups of nodes, so short documents are not cut (inter-node traffic)."""
     if rooms[1] == 0:
         return [items, []]
     if rooms[0] == 0:
@@ -408,8 +423,11 @@ def _bisect_items(items: List[_Item], rooms: Tuple[int, int], targets: Tuple[flo
     heavy = _HEAVY * max(1.0, min(targets))
     # Items are placed one by one up to the last heavy one; the rest are dealt as a window.
     end = max((k + 1 for k, it in enumerate(pool) if it.area > heavy), default=0)
-    for k in range(end):
-        state.place_heavy(k)
+    short = int(_SHORT * min(rooms)) if between_nodes else 0
+    deferred = [pool[k] for k in range(end) if not state.place_heavy(k, short)]
+    if deferred:  # one light pool in density order again
+        state.pool = _Pool(sorted(deferred + pool[end:], key=_density_order))
+        end = 0
     state.place_light(end)
     state.mend_cuts()
     return [_merged(side) for side in state.out]
@@ -425,7 +443,7 @@ def _split(items: List[_Item], groups: list, caps: Sequence[int], targets: Seque
     left, right = groups[:half], groups[half:]
     lb, rb = _leaves(left), _leaves(right)
     sides = _bisect_items(items, (sum(caps[b] for b in lb), sum(caps[b] for b in rb)),
-                          (sum(targets[b] for b in lb), sum(targets[b] for b in rb)))
+                          (sum(targets[b] for b in lb), sum(targets[b] for b in rb)), not isinstance(groups[0], int))
     return _split(sides[0], left, caps, targets) + _split(sides[1], right, caps, targets)
 
 
