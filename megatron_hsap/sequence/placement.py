@@ -169,8 +169,8 @@ def _horizon_for(item: _Item, tau: int, area: float) -> Optional[int]:
 
 
 def _piece_start(item: _Item, tau: int, area: float, horizon: int) -> int:
-    """Largest start ``p <= horizon - tau`` whose piece ``[p, p + tau)`` carries at most ``area``... rounded so the
-    piece carries at least ``area``: the smallest ``p`` with that area (the area grows with ``p``)."""
+    """Smallest start ``p <= horizon - tau`` whose piece ``[p, p + tau)`` carries at least ``area`` (a piece's
+    area grows with its start; rounding to whole tokens errs by at most one token's density)."""
     lo, hi = 0, max(0, horizon - tau)
     while lo < hi:
         mid = (lo + hi) // 2
