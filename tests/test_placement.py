@@ -123,7 +123,7 @@ def test_one_document_spanning_everything_is_causally_balanced(ring: int, ulysse
         segments = _place([length], ring, ulysses, per_node)
         area = _member_area(segments, ring, ulysses)
         assert sum(area) == causal_area(0, length)
-        # Every bisection cuts it so that both sides end within 0.2 % of their targets (prefix division).
+        # Every bisection cuts it so that both sides end within 0.1 % of their targets (prefix division).
         assert max(area) / min(area) <= 1.01, area
         # Few pieces per rank (each cut gives one side a middle piece, the other a head and a tail).
         for c, rank in enumerate(segments):

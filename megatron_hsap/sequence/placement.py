@@ -46,13 +46,15 @@ Ranges = Tuple[Tuple[int, int], ...]  # disjoint, increasing in-document ranges 
 _HEAVY = 0.001
 # Between nodes, a heavy item of at most this fraction of the smaller side's tokens is never cut: when it fits
 # neither side whole it joins the light items, whose phase fills rooms exactly by choosing and exchanging items.
-_SHORT = 0.05
+_SHORT = 0.02
+# ... and neither is a document of at most this many tokens (whose cut would buy nearly no balance).
+_SHORT_TOKENS = 64
 # The shortest items holding this fraction of a bisection's tokens are shared in proportion to the sides' rooms.
 _TINY = 0.02
 # Items considered (shortest first) when exchanging a few to close a token gap exactly.
 _EXCHANGE = 48
 # A side may miss its attention target by this fraction (the rest of the hierarchy adds its own error).
-_SLACK = 0.002
+_SLACK = 0.001
 
 
 class _Item:
@@ -423,7 +425,7 @@ def _bisect_items(items: List[_Item], rooms: Tuple[int, int], targets: Tuple[flo
     heavy = _HEAVY * max(1.0, min(targets))
     # Items are placed one by one up to the last heavy one; the rest are dealt as a window.
     end = max((k + 1 for k, it in enumerate(pool) if it.area > heavy), default=0)
-    short = int(_SHORT * min(rooms)) if between_nodes else 0
+    short = max(int(_SHORT * min(rooms)), _SHORT_TOKENS) if between_nodes else 0
     deferred = [pool[k] for k in range(end) if not state.place_heavy(k, short)]
     if deferred:  # one light pool in density order again
         state.pool = _Pool(sorted(deferred + pool[end:], key=_density_order))
