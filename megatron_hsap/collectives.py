@@ -23,10 +23,12 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-def _all_to_all(x: torch.Tensor, topology: CPTopology, op: str) -> torch.Tensor:
-    """all_to_all over the Ulysses group of a ``[U, ...]`` tensor: chunk i goes to Ulysses rank i."""
+def _all_to_all(x: torch.Tensor, topology: CPTopology, op: str, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """all_to_all over the Ulysses group of a ``[U, ...]`` tensor: chunk i goes to Ulysses rank i.
+    ``out``: optional preallocated contiguous receive buffer of x's shape and dtype (else a new one)."""
     x = x.contiguous()
-    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)  # empty_like would keep x's strides
+    if out is None:
+        out = torch.empty(x.shape, dtype=x.dtype, device=x.device)  # empty_like would keep x's strides
     dist.all_to_all_single(out, x, group=topology.ulysses_group)
     me = topology.cp_rank
     chunk_bytes = _nbytes(x) // topology.ulysses_size
@@ -38,18 +40,25 @@ def _all_to_all(x: torch.Tensor, topology: CPTopology, op: str) -> torch.Tensor:
     return out
 
 
-def sequence_to_heads(x: torch.Tensor, topology: CPTopology, op: str = "ulysses_a2a") -> torch.Tensor:
+def sequence_to_heads(x: torch.Tensor, topology: CPTopology, op: str = "ulysses_a2a",
+                      out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``[t_local, U, h_u, d]`` (this rank's tokens, heads grouped by destination) ->
-    ``[U * t_local, h_u, d]`` (the member's tokens in CP-rank order, this rank's head group)."""
+    ``[U * t_local, h_u, d]`` (the member's tokens in CP-rank order, this rank's head group).
+    ``out``: optional contiguous ``[U * t_local, h_u, d]`` buffer to receive into (returned).
+    No send copy is made when ``x`` is the transpose of a contiguous ``[U, t_local, h_u, d]``."""
     t, u, h, d = x.shape
-    return _all_to_all(x.transpose(0, 1), topology, op).reshape(u * t, h, d)
+    recv = None if out is None else out.view(u, t, h, d)
+    return _all_to_all(x.transpose(0, 1), topology, op, recv).reshape(u * t, h, d)
 
 
-def heads_to_sequence(x: torch.Tensor, topology: CPTopology, op: str = "ulysses_a2a") -> torch.Tensor:
-    """Inverse of ``sequence_to_heads``: ``[U * t_local, h_u, d]`` -> ``[t_local, U, h_u, d]``."""
+def heads_to_sequence(x: torch.Tensor, topology: CPTopology, op: str = "ulysses_a2a",
+                      out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Inverse of ``sequence_to_heads``: ``[U * t_local, h_u, d]`` -> ``[t_local, U, h_u, d]``.
+    ``out``: optional contiguous ``[U, t_local, h_u, d]`` buffer to receive into; the result is
+    its transpose view."""
     u = topology.ulysses_size
     ut, h, d = x.shape
-    return _all_to_all(x.reshape(u, ut // u, h, d), topology, op).transpose(0, 1)
+    return _all_to_all(x.reshape(u, ut // u, h, d), topology, op, out).transpose(0, 1)
 
 
 class UlyssesAllToAll(torch.autograd.Function):
