@@ -196,8 +196,8 @@ class _Stages:
     Buffers (allocated once per forward or backward call, reused by every stage; E = element size of x,
     t = tokens per rank, P = Ulysses size, m = U / P, w = ``_RankPlan.width``, w' = max(w, 2m), D = head_dim):
       rows   ``[P*w*D, hidden]``  E   the stage's fused-weight rows (projection, and dx in the backward)
-      proj   ``t * P * w' * D``   E   projection output [t, P, w, D]; backward staging of output/grad and dQKV
-      send   ``P * t * w' * D``   E   all-to-all send buffer [P, t, w, D] (destination major: no send copy)
+      send   ``P * t * w' * D``   E   all-to-all send buffer [P, t, w, D] (destination major): the projection
+                                      GEMM writes here directly; backward: token-major staging of dQKV
       recv   ``P * t * w' * D``   E   all-to-all receive buffer = the member's [P*t, w, D]
       kv     ``[slots, 2, P*t, D]`` E  KV heads kept from their first to their last stage
       k_attn/v_attn ``[P*t, A, D]`` E  only when one attention call takes A > 1 KV heads
@@ -222,7 +222,7 @@ class _Stages:
         p, m, d, w = schedule.ulysses_size, schedule.heads_per_rank, head_dim, self.plan.width
         slab = p * t * max(w, 2 * m) * d
         self.rows = x.new_empty(p * w * d, hidden)
-        self.proj, self.send, self.recv = x.new_empty(slab), x.new_empty(slab), x.new_empty(slab)
+        self.send, self.recv = x.new_empty(slab), x.new_empty(slab)
         self.kv = x.new_empty(self.plan.kv_slots, 2, p * t, d)
         a = self.plan.attn_width
         self.k_attn = x.new_empty(p * t, a, d) if a > 1 else None
@@ -265,17 +265,17 @@ class _Stages:
         t, p, d = self.x.shape[0], self.schedule.ulysses_size, self.d
         m, n = len(stage.query_heads[0]), len(stage.new_kv[0])
         runs = self.plan.send_runs[index]
-        rows = self.gather_rows(runs)
-        proj = self._view(self.proj, t, rows.shape[0])
-        torch.mm(self.x, rows.t(), out=proj)
-        if self.bias is not None:
-            for at, row, k in runs:
-                proj[:, at:at + k] += self.bias[row:row + k]
-        packed = proj.view(t, p, m + 2 * n, d)
-        if self.rope is not None:
-            self.rope.apply_(packed[:, :, :m + n])
+        rows = self.gather_rows(runs)  # [P*(m+2n)*d, hidden], destination major
         send = self._view(self.send, p, t, m + 2 * n, d)
-        send.copy_(packed.transpose(0, 1))
+        # One batched GEMM for the whole stage, x shared by every destination (stride 0, never copied),
+        # written destination-major straight into the all-to-all send buffer.
+        torch.bmm(self.x.expand(p, t, self.x.shape[1]), rows.view(p, -1, rows.shape[1]).transpose(1, 2),
+                  out=send.view(p, t, -1))
+        if self.bias is not None:
+            bias = torch.cat([self.bias[row:row + k] for _, row, k in runs])
+            send.view(p, t, -1).add_(bias.view(p, 1, -1))
+        if self.rope is not None:
+            self.rope.apply_(send.transpose(0, 1)[:, :, :m + n])
         member = self.a2a_in(send, op, self._view(self.recv, p, t, m + 2 * n, d))
         for i, j in enumerate(stage.new_kv[self.rank]):
             slot = self.slot[j] = self.free.pop()
@@ -344,13 +344,12 @@ def _backward(st: _Stages, output: torch.Tensor, grad: torch.Tensor, lses: List[
         m = q.shape[1]
         for j in stage.new_kv[st.rank]:
             st.dkv[st.slot[j]].zero_()
-        index = st.query_index[s].view(-1)
-        staged = st._view(st.proj, 2, t, p * m, d)
-        torch.index_select(output, 1, index, out=staged[0])
-        torch.index_select(grad, 1, index, out=staged[1])
-        send = st._view(st.send, p, t, 2, m, d)
-        send.copy_(staged.view(2, t, p, m, d).permute(2, 1, 0, 3, 4))
-        pair = st.a2a_in(send.view(p, t, 2 * m, d), OP_OUT_BWD, st._view(st.pair, p, t, 2 * m, d))
+        send = st._view(st.send, p, t, 2 * m, d)  # per destination: the stage's output, then its gradient
+        for r, heads in enumerate(stage.query_heads):
+            for j, head in enumerate(heads):
+                send[r, :, j].copy_(output[:, head])
+                send[r, :, m + j].copy_(grad[:, head])
+        pair = st.a2a_in(send, OP_OUT_BWD, st._view(st.pair, p, t, 2 * m, d))
         k, v = st.attention_kv(stage)
         dq, dk, dv = ring_attention_backward(pair[:, m:], q, k, v, pair[:, :m], lse, st.member,
                                              st.topo, st.kernel, st.scale)
@@ -369,7 +368,7 @@ def _backward(st: _Stages, output: torch.Tensor, grad: torch.Tensor, lses: List[
             grads[:, m + c + i].copy_(st.dkv[st.slot[j], 1])
         st.release(stage)
         back = st.a2a_out(grads, OP_DQKV_BWD, st._view(st.recv, p, t, m + 2 * c, d))
-        g = st._view(st.proj, t, p, m + 2 * c, d)  # token-major: the gradient of this stage's projection
+        g = st._view(st.send, t, p, m + 2 * c, d)  # token-major: the gradient of this stage's projection
         g.copy_(back.transpose(0, 1))
         if st.rope is not None:
             st.rope.transpose_(g[:, :, :m + c])

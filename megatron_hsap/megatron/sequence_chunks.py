@@ -52,6 +52,7 @@ class _TiledMLPFunction(torch.autograd.Function):
             if output is None:
                 output = out.new_empty((hidden.shape[0],) + tuple(out.shape[1:]))
             output[start:end] = out
+            del out  # one tile's intermediates live at a time
         return output
 
     @staticmethod
@@ -64,6 +65,7 @@ class _TiledMLPFunction(torch.autograd.Function):
                 out, _ = MLP.forward(ctx.mlp, tile, **ctx.kwargs)
             torch.autograd.backward(out, grad[start:end])
             dhidden[start:end] = tile.grad
+            del out, tile  # before the next tile's recompute
         return dhidden, None, None, None
 
 
@@ -108,6 +110,7 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
             _all_reduce(target, tp_group)
             lse[start:end] = top + sum_exp.log()
             loss[start:end] = lse[start:end] - target
+            del logits, sum_exp, target  # one chunk's logits live at a time
         ctx.save_for_backward(hidden, weight, labels, lse)
         ctx.chunks, ctx.vocab_start = chunks, vocab_start
         return loss.t().contiguous()
@@ -131,6 +134,7 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
             dhidden[start:end] = torch.matmul(dlogits, weight)
             if dweight is not None:
                 dweight.addmm_(dlogits.reshape(-1, dlogits.shape[-1]).t(), h.reshape(-1, h.shape[-1]))
+            del logits, probs, rows, dlogits  # before the next chunk's logits
         return dhidden, dweight, None, None, None
 
 
