@@ -24,7 +24,6 @@ from megatron_hsap.instrumentation.memory_model import (  # noqa: E402
     Training,
     estimate,
     max_context,
-    sweep,
 )
 
 ORDER = ("weights", "grads", "optimizer state", "saved activations", "attention block", "communication",
