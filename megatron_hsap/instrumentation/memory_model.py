@@ -82,7 +82,8 @@ class Training:
     """dtype_bytes: parameter/activation element size; optimizer 'adam' or 'sgd'; distributed_optimizer: ZeRO-1
     over dp x cp; recompute 'full', 'offload' (full, with the layer-input checkpoints in host memory as
     DeepSpeed ALST does: not implemented by this repository's training script) or 'none'; grad_bytes: main_grad
-    element size (4: Megatron's grad_reduce_in_fp32, 2: bf16 gradient buffers); mlp_chunks / loss_chunks: sequence tiles (1 = unchunked);
+    element size (4: Megatron's grad_reduce_in_fp32, 2: bf16 gradient buffers);
+    mlp_chunks / loss_chunks: sequence tiles (1 = unchunked);
     kernel: 'flash' (GPU) or 'torch' (the CPU kernel, whose score tiles are at most ``kernel_tile`` =
     (query tokens, keys): its TILE_Q x TILE_K, or less when the plan's attention blocks are smaller)."""
 
@@ -237,7 +238,8 @@ def estimate(model: ModelShape, tokens: int, par: Parallelism, train: Training, 
         saved = layers * t * e * (4 * model.hidden + 2 * qkv + 2 * h * model.head_dim + 3 * ffn)
     attn = attention_block_bytes(model, par, train, method, t)
     est = MemoryEstimate(tokens, t)
-    est.components = {"weights": params * e, "grads": params * train.grad_bytes, "optimizer state": params * opt_per_param // shards,
+    est.components = {"weights": params * e, "grads": params * train.grad_bytes,
+                      "optimizer state": params * opt_per_param // shards,
                       "saved activations": saved, "attention block": attn["compute"],
                       "communication": attn["communication"], "mlp transient": _mlp_bytes(model, par, train, t),
                       "loss transient": _loss_bytes(model, par, train, t)}
