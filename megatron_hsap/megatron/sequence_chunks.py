@@ -165,7 +165,8 @@ def chunked_output_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, lab
     """Per-token cross-entropy ``[b, s]`` (fp32; fp64 for fp64 inputs) of ``hidden [s, b, h]``
     (all this rank's tokens, after any sequence-parallel gather) through the vocab-parallel output weight
     ``[V/tp, h]`` with ``labels [b, s]``, ``chunks`` sequence chunks at a time: Megatron's ``output_layer``
-    + ``vocab_parallel_cross_entropy`` without the ``[s, b, V/tp]`` logits. ``tp_group``: the tensor-parallel group (None = no TP)."""
+    + ``vocab_parallel_cross_entropy`` without the ``[s, b, V/tp]`` logits.
+    ``tp_group``: the tensor-parallel group (None = no TP)."""
     if hidden.dim() != 3 or labels.shape != (hidden.shape[1], hidden.shape[0]):
         raise ValueError(f"hidden must be [s, b, h] and labels [b, s]; got {tuple(hidden.shape)} and "
                          f"{tuple(labels.shape)}")
