@@ -124,3 +124,19 @@ def test_chunked_loss_peak_follows_chunk():
     logits = s * v * 4
     assert peaks[1] >= logits
     assert peaks[8] < peaks[1] / 4, peaks
+
+
+def test_flag_defaults():
+    """hsap: MLP tiles of about `hidden` tokens and loss chunks of 2048 tokens per rank; other modes: unchunked."""
+    from megatron_hsap.training.arguments import parse_args
+
+    demo = parse_args(["--demo"], world_size=8)  # hsap, 1024 tokens on 8 CP ranks, hidden 64
+    assert (demo.mlp_sequence_chunks, demo.loss_sequence_chunks) == (2, 1)
+    long = parse_args(["--demo", "--seq-length", "65536"], world_size=8)
+    assert (long.mlp_sequence_chunks, long.loss_sequence_chunks) == (128, 4)
+    plain = parse_args(["--demo", "--context-parallel-mode", "ulysses"], world_size=8)
+    assert (plain.mlp_sequence_chunks, plain.loss_sequence_chunks) == (1, 1)
+    chosen = parse_args(["--demo", "--mlp-sequence-chunks", "3", "--loss-sequence-chunks", "5"], world_size=8)
+    assert (chosen.mlp_sequence_chunks, chosen.loss_sequence_chunks) == (3, 5)
+    with pytest.raises(SystemExit):
+        parse_args(["--demo", "--mlp-sequence-chunks", "0"], world_size=8)
