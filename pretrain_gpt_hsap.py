@@ -9,20 +9,31 @@ sources (byte-level tokens, packed documents), built once and cached.
 """
 
 import argparse
+import os
 import sys
+import traceback
 
+from megatron_hsap.training import progress
 from megatron_hsap.training.arguments import parse_args
 from megatron_hsap.training.launch import launched_by_torchrun, spawn_local_ranks
 
 
 def run_rank(args: argparse.Namespace) -> int:
-    """Train on this rank; bad input found after start-up becomes one clear line per rank and a non-zero exit."""
+    """Train on this rank. A failure becomes one line naming the rank and where it was, and a non-zero exit:
+    2 for bad input (ValueError), 1 otherwise (with the traceback unless it is a RuntimeError we raised or
+    a collective's error)."""
     from megatron_hsap.training.loop import pretrain
 
     try:
         pretrain(args)
-    except (ValueError, RuntimeError) as err:
-        print(f"pretrain_gpt_hsap.py: error: {err}", file=sys.stderr, flush=True)
+    except BaseException as err:  # noqa: BLE001 - every failure is reported with its rank and position
+        if isinstance(err, SystemExit):
+            raise
+        progress.mark_failed()
+        where = f"rank {os.environ.get('RANK', '0')}, {progress.describe()}"
+        if not isinstance(err, (ValueError, RuntimeError)):
+            traceback.print_exc()
+        print(f"pretrain_gpt_hsap.py: error: {where}: {err}", file=sys.stderr, flush=True)
         return 2 if isinstance(err, ValueError) else 1
     return 0
 
@@ -31,7 +42,7 @@ def main() -> int:
     args = parse_args()
     if launched_by_torchrun():
         return run_rank(args)
-    return spawn_local_ranks(args.nproc or 1, run_rank, args)
+    return spawn_local_ranks(args.nproc or 1, run_rank, args, args.rank_failure_grace_seconds)
 
 
 if __name__ == "__main__":

@@ -7,7 +7,7 @@ from typing import Optional
 
 MODES = ("ring", "ulysses", "hybrid", "hsap")
 LAYOUTS = ("zigzag", "contiguous", "sequence-aware")
-KERNELS = ("auto", "torch", "flash", "te")
+KERNELS = ("auto", "torch", "cpu_fused", "flash", "te")
 
 
 def _check_choice(name: str, value: object, allowed: tuple) -> None:
@@ -33,7 +33,8 @@ class ContextParallelConfig:
     (``hsap`` defaults to the Ulysses size).
     layout: how a packed batch's tokens are placed on CP ranks; None = the mode's
     default (``sequence-aware`` for ``hsap``, ``zigzag`` otherwise).
-    kernel: local attention kernel (``auto`` = TE, then flash-attn, then torch).
+    kernel: local attention kernel (``auto`` = TE, then flash-attn where CUDA is usable, else the
+    fused CPU kernel ``cpu_fused``; ``torch`` = the pure-PyTorch reference kernel, any device).
     """
 
     mode: str = "hybrid"

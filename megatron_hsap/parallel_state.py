@@ -15,6 +15,7 @@ import warnings
 from dataclasses import dataclass
 from typing import Any, Optional, Tuple
 
+import torch
 import torch.distributed as dist
 
 from megatron_hsap.config import ContextParallelConfig
@@ -164,6 +165,8 @@ def initialize_model_parallel(tensor_model_parallel_size: int = 1, pipeline_mode
     else:
         ulysses_group = ring_group = mpu.get_context_parallel_group()
     assert tuple(mpu.get_context_parallel_global_ranks()) == cp_global_ranks, "unexpected Megatron CP rank order"
+    if cp > 1:
+        _join_groups_eagerly((ulysses_group, ring_group))
     topo = CPTopology(cp_size=cp, ulysses_size=ulysses, node_of_cp_rank=node_of_cp_rank,
                       cp_rank=mpu.get_context_parallel_rank(), cp_global_ranks=cp_global_ranks,
                       cp_group=mpu.get_context_parallel_group(), ulysses_group=ulysses_group, ring_group=ring_group,
@@ -174,6 +177,17 @@ def initialize_model_parallel(tensor_model_parallel_size: int = 1, pipeline_mode
                       f"tensor_model_parallel_size={tp}); the all-to-all will cross the slow links", stacklevel=2)
     _TOPOLOGY, _CP_CONFIG = topo, cp_config
     return topo
+
+
+def _join_groups_eagerly(groups: Tuple[Any, ...]) -> None:
+    """Every member joins one collective on each group now, so its communicator exists before the first
+    ``batch_isend_irecv``: NCCL requires all members of a group in the first batched P2P call on it, and a
+    plan can leave a ring member with nothing to exchange in the first step."""
+    device = (torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl"
+              else torch.device("cpu"))
+    for group in groups:
+        if dist.get_world_size(group) > 1:
+            dist.all_reduce(torch.zeros(1, device=device), group=group)
 
 
 def destroy_model_parallel() -> None:

@@ -16,6 +16,10 @@ Any failure discards the pool (a rank that failed half-way through a p2p
 exchange could leave stale messages behind). Tests that *expect* an exception
 should catch it inside ``fn`` (``with pytest.raises(...)``) and return normally.
 
+Point-to-point tags are forced to 0 in every worker (``force_p2p_tags_to_zero``): gloo then
+matches the messages between two ranks in posting order, as NCCL always does, so a
+protocol that relies on tags fails here instead of hanging on GPUs.
+
 Workers are forked from a forkserver that has torch and Megatron-Core's
 parallel_state preloaded, which makes (re)starting a pool cheap. Set ``HSAP_TEST_FRESH_WORKERS=1`` to give every call
 its own fresh pool, or call ``run_distributed_fresh`` for one call.
@@ -73,12 +77,29 @@ def _cleanup_parallel_state() -> None:
                 dist.destroy_process_group(group)
 
 
+def force_p2p_tags_to_zero() -> None:
+    """Make every ``dist.P2POp`` carry tag 0, whatever its caller asked for (NCCL ignores tags)."""
+    import torch.distributed as dist
+
+    if getattr(dist.P2POp, "_hsap_tag_zero", False):
+        return
+    original = dist.P2POp.__init__
+
+    def init_with_tag_zero(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        self.tag = 0
+
+    dist.P2POp.__init__ = init_with_tag_zero
+    dist.P2POp._hsap_tag_zero = True
+
+
 def _worker_main(rank: int, world_size: int, port: int, conn: multiprocessing.connection.Connection) -> None:
     """Worker loop: join the gloo group, then run pickled jobs until told to stop (None)."""
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(1)
+    force_p2p_tags_to_zero()
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size))
     try:

@@ -28,7 +28,7 @@ def _errors_on_every_rank(mode: str, ulysses_size, ranks_per_node: int) -> List[
     cp = dist.get_world_size()
     topo = initialize_model_parallel(context_parallel_size=cp, ranks_per_node=ranks_per_node,
                                      cp_config=ContextParallelConfig(mode=mode, ulysses_size=ulysses_size,
-                                                                     kernel="torch"))
+                                                                     kernel="cpu_fused"))
     plan = plan_batch(cu_seqlens_from_lengths([40, 24]), topo, "zigzag")
     t = plan.tokens_per_rank
     good = torch.randn(t, 8, 16)

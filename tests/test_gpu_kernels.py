@@ -16,7 +16,6 @@ import json
 import os
 import random
 import sys
-import types
 from typing import List, Tuple
 
 import pytest
@@ -25,8 +24,9 @@ import torch
 from megatron_hsap.kernels import get_kernel
 from megatron_hsap.kernels.base import AttentionBlocks
 from megatron_hsap.kernels.flash_kernel import FlashAttentionKernel
-from megatron_hsap.kernels.gpu_common import (VarlenPass, VarlenPassKernel, merge_partial, normalized_blocks,
-                                              split_into_passes)
+from megatron_hsap.device_cache import DEVICE_INDEX_CACHE, DeviceTensorCache
+from megatron_hsap.kernels.gpu_common import (VarlenPass, VarlenPassKernel,
+                                              merge_partial, normalized_blocks, split_into_passes)
 from megatron_hsap.kernels.te_kernel import TEAttentionKernel
 from megatron_hsap.kernels.torch_kernel import TorchAttentionKernel
 
@@ -167,6 +167,49 @@ def test_pass_split_is_minimal_and_complete(seed):
     for causal in (True, False):
         expected = max_depth([b for b in normalized_blocks(blocks) if b[4] == causal])
         assert sum(p.causal == causal for p in passes) == expected
+
+
+# ---------------------------------------------------------------- the device index cache (bounded in bytes)
+
+def test_device_tensor_cache_is_bounded_in_bytes_and_evicts_least_recently_used():
+    cache = DeviceTensorCache(max_bytes=100)
+    built = []
+
+    def build(n):
+        return lambda: built.append(n) or torch.zeros(n, dtype=torch.int32)  # 4 bytes per entry
+
+    a = cache.get("a", build(10))  # 40 bytes
+    cache.get("b", build(10))      # 80
+    assert cache.get("a", build(10)) is a and built == [10, 10]  # hit, "a" now most recent
+    cache.get("c", build(5))       # 100: fits exactly
+    assert cache.bytes == 100 and len(cache) == 3
+    cache.get("d", build(1))       # 104 > 100: evicts the least recently used, "b"
+    assert cache.bytes == 64 and cache.get("a", build(10)) is a
+    cache.get("b", build(10))      # rebuilt, evicts "c" (now the oldest)
+    assert built == [10, 10, 5, 1, 10] and cache.bytes == 84
+    big = cache.get("big", build(26))  # 104 bytes alone: returned, never kept
+    assert big.numel() == 26 and "big" not in cache._entries and cache.bytes == 84
+    cache.clear()
+    assert cache.bytes == 0 and len(cache) == 0
+
+
+def test_gathered_passes_stay_within_the_device_cache_bound(monkeypatch):
+    """Many distinct gathered passes (a changing batch): the row-index cache never exceeds its bound in bytes,
+    and results stay exact when entries are evicted and rebuilt."""
+    monkeypatch.setattr(DEVICE_INDEX_CACHE, "max_bytes", 2048)
+    DEVICE_INDEX_CACHE.clear()
+    kernel = TorchPerPass()
+    gen = torch.Generator().manual_seed(11)
+    q, k, v = (torch.randn(60, 2, 8, dtype=torch.float64, generator=gen) for _ in range(3))
+    for _ in range(2):  # the second round finds some entries evicted
+        for seed in range(12):
+            blocks = random_blocks(random.Random(seed), 60, 60, n=10)
+            out, _ = kernel.forward(q, k, v, blocks, 0.3)
+            assert DEVICE_INDEX_CACHE.bytes <= 2048
+            ref, _ = dense_attention(q, k, v, dense_mask(blocks, 60, 60), 0.3)
+            torch.testing.assert_close(out, ref, atol=1e-10, rtol=0)
+    assert DEVICE_INDEX_CACHE.bytes > 1024  # it filled up to the bound (and evicted: 12 gathered batches need more)
+    DEVICE_INDEX_CACHE.clear()
 
 
 # ---------------------------------------------------------------- LSE merge
@@ -354,25 +397,6 @@ def _load_gpu_check():
     return sys.modules["gpu_check"]
 
 
-def test_gpu_check_upipe_stage_backward_equals_autograd():
-    """The emulated UPipe stage rebuilds Q/K/V in its backward; its grads must equal plain autograd's."""
-    gc = _load_gpu_check()
-    gen = torch.Generator().manual_seed(5)
-    n, hidden, d, cp, seq = 12, 16, 8, 2, 24
-    x = torch.randn(n, hidden, dtype=torch.float64, generator=gen)
-    wq, wk, wv = (torch.randn(r, hidden, dtype=torch.float64, generator=gen) for r in (2 * d, 2 * d, 2 * d))
-    grad = torch.randn(n, 2 * d, dtype=torch.float64, generator=gen)
-    blocks = AttentionBlocks.from_list([(0, 10, 0, 10, True), (10, 24, 10, 24, True)])
-    shape = (seq, 2 // cp, 2 // cp, d)
-    leaves = [t.clone().requires_grad_(True) for t in (x, wq, wk, wv)]
-    gc._UPipeStage.apply(*leaves, TORCH, blocks, d ** -0.5, shape).backward(grad)
-    plain = [t.clone().requires_grad_(True) for t in (x, wq, wk, wv)]
-    q, k, v = gc._stage_qkv(*plain, shape)
-    gc._all_to_all(gc._Attention.apply(q, k, v, TORCH, blocks, d ** -0.5), (n, -1)).backward(grad)
-    for a, b in zip(leaves, plain):
-        torch.testing.assert_close(a.grad, b.grad, atol=1e-5, rtol=1e-5)  # kernel grads are float32
-
-
 def test_gpu_check_cpu_smoke_run(tmp_path):
     gc = _load_gpu_check()
     assert gc.main([str(tmp_path), "--device", "cpu", "--sections", "1,2,3"]) == 0
@@ -387,149 +411,3 @@ def test_gpu_check_cpu_smoke_run(tmp_path):
     assert all(cut > 0 for cut in sections["memory"]["upipe_peak_cut"].values())  # UPipe keeps less
     assert set(sections["memory"]["upipe_peak_cut"]) == {"attention_block", "layer_recompute"}
     assert "## 3. Peak memory" in (tmp_path / "gpu_check.md").read_text()
-
-
-# ---------------------------------------------------------------- the library calls' plumbing, with fake libraries
-# The fakes have the real functions' signatures (flash-attn 2.6 / 2.7+, TransformerEngine 2.x) and compute
-# with the torch kernel, so every line of the flash/te kernels runs here; only CUDA itself is missing.
-
-def _seq_blocks(cu_q: torch.Tensor, cu_k: torch.Tensor, causal: bool) -> AttentionBlocks:
-    assert cu_q.dtype == torch.int32 and cu_k.dtype == torch.int32
-    cq, ck = cu_q.tolist(), cu_k.tolist()
-    return AttentionBlocks.from_list([(cq[i], cq[i + 1], ck[i], ck[i + 1], causal) for i in range(len(cq) - 1)])
-
-
-def _fake_flash(monkeypatch, split_window: bool) -> None:
-    flash, iface = types.ModuleType("flash_attn"), types.ModuleType("flash_attn.flash_attn_interface")
-    flash.__version__, flash.flash_attn_interface = ("2.7.4.post1" if split_window else "2.6.3"), iface
-
-    def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
-                               softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
-                               alibi_slopes=None, deterministic=False, return_attn_probs=False, block_table=None):
-        assert return_attn_probs and dropout_p == 0.0 and not torch.is_grad_enabled()
-        assert max_seqlen_q == int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max())
-        out, lse = TORCH.forward(q, k, v, _seq_blocks(cu_seqlens_q, cu_seqlens_k, causal), softmax_scale)
-        return out, lse.masked_fill(torch.isneginf(lse), float("inf")), None  # flash marks empty rows +inf
-
-    def backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                 max_seqlen_k, dropout_p, softmax_scale, causal, softcap, alibi_slopes, deterministic, rng_state):
-        assert softmax_lse.shape == (q.shape[1], q.shape[0]) and softmax_lse.is_contiguous()
-        grads = TORCH.backward(dout, q, k, v, out, softmax_lse, _seq_blocks(cu_seqlens_q, cu_seqlens_k, causal),
-                               softmax_scale)
-        for buf, g in zip((dq, dk, dv), grads):
-            buf.copy_(g)
-
-    if split_window:
-        def _flash_attn_varlen_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k,
-                                        max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal,
-                                        window_size_left, window_size_right, softcap, alibi_slopes, deterministic,
-                                        rng_state=None):
-            assert (window_size_left, window_size_right) == (-1, -1)
-            backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                     max_seqlen_k, dropout_p, softmax_scale, causal, softcap, alibi_slopes, deterministic, rng_state)
-    else:
-        def _flash_attn_varlen_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k,
-                                        max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal, window_size,
-                                        softcap, alibi_slopes, deterministic, rng_state=None):
-            assert window_size == (-1, -1)
-            backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                     max_seqlen_k, dropout_p, softmax_scale, causal, softcap, alibi_slopes, deterministic, rng_state)
-
-    iface.flash_attn_varlen_func = flash_attn_varlen_func
-    iface._flash_attn_varlen_backward = _flash_attn_varlen_backward
-    monkeypatch.setitem(sys.modules, "flash_attn", flash)
-    monkeypatch.setitem(sys.modules, "flash_attn.flash_attn_interface", iface)
-
-
-def _fake_te(monkeypatch, packed: bool) -> None:
-    names = ["transformer_engine", "transformer_engine.pytorch", "transformer_engine.pytorch.constants",
-             "transformer_engine.pytorch.cpp_extensions", "transformer_engine.pytorch.cpp_extensions.fused_attn",
-             "transformer_engine.pytorch.utils"]
-    te, pt, constants, ext, fused, utils = (types.ModuleType(n) for n in names)
-    te.__version__, te.pytorch, pt.constants, pt.cpp_extensions, pt.utils = "2.4.0", pt, constants, ext, utils
-    ext.fused_attn = fused
-    constants.TE_DType = {torch.float16: "kFloat16", torch.bfloat16: "kBFloat16"}
-    utils.get_cudnn_version = lambda: (9, 8, 0) if packed else (9, 1, 0)
-    fused.FusedAttnBackend = {"F16_arbitrary_seqlen": "arbitrary"}
-
-    def check(fake_dtype, q, backend, qkv_layout, attn_mask_type, cu_q, cu_q_padded, cu_k, cu_k_padded):
-        assert fake_dtype == q.dtype and backend == "arbitrary" and qkv_layout == "thd_thd_thd"
-        assert torch.equal(cu_q, cu_q_padded) and torch.equal(cu_k, cu_k_padded)
-        assert attn_mask_type in ("padding", "padding_causal_bottom_right")
-        return _seq_blocks(cu_q, cu_k, attn_mask_type == "padding_causal_bottom_right")
-
-    def fused_attn_fwd(is_training, max_seqlen_q, max_seqlen_kv, cu_seqlens_q, cu_seqlens_kv, q, k, v, fake_dtype,
-                       fused_attention_backend, attn_bias=None, cu_seqlens_q_padded=None, cu_seqlens_kv_padded=None,
-                       page_table_k=None, page_table_v=None, s_quantizer=None, o_quantizer=None, attn_scale=None,
-                       dropout=0.0, fast_zero_fill=True, qkv_layout="sbh3d", attn_bias_type="no_bias",
-                       attn_mask_type="padding", window_size=(-1, -1), rng_gen=None):
-        assert is_training and dropout == 0.0 and attn_bias_type == "no_bias"
-        blocks = check(fake_dtype, q, fused_attention_backend, qkv_layout, attn_mask_type, cu_seqlens_q,
-                       cu_seqlens_q_padded, cu_seqlens_kv, cu_seqlens_kv_padded)
-        out, lse = TORCH.forward(q, k, v, blocks, attn_scale)
-        if packed:
-            stats = lse.t().unsqueeze(-1)
-        else:
-            stats = torch.full((len(blocks), q.shape[1], max_seqlen_q, 1), 123.0)  # padding slots: garbage
-            for i, (qs, qe, _, _, _) in enumerate(blocks):
-                stats[i, :, :qe - qs, 0] = lse[:, qs:qe]
-        return out, [stats, torch.zeros(2, dtype=torch.int64)]
-
-    def fused_attn_bwd(max_seqlen_q, max_seqlen_kv, cu_seqlens_q, cu_seqlens_kv, q, k, v, o, d_o, fake_dtype,
-                       dqkv_dtype, aux_ctx_tensors, fused_attention_backend, cu_seqlens_q_padded=None,
-                       cu_seqlens_kv_padded=None, s_quantizer=None, dp_quantizer=None, dqkv_quantizer=None,
-                       attn_scale=None, dropout=0.0, fast_zero_fill=True, qkv_layout="sbh3d",
-                       attn_bias_type="no_bias", attn_mask_type="padding", window_size=(-1, -1),
-                       deterministic=False):
-        assert dqkv_dtype == constants.TE_DType[q.dtype] and len(aux_ctx_tensors) == 2
-        blocks = check(fake_dtype, q, fused_attention_backend, qkv_layout, attn_mask_type, cu_seqlens_q,
-                       cu_seqlens_q_padded, cu_seqlens_kv, cu_seqlens_kv_padded)
-        stats = aux_ctx_tensors[0]
-        if packed:
-            lse = stats[..., 0].t()
-        else:
-            assert stats.shape == (len(blocks), q.shape[1], max_seqlen_q, 1)
-            lse = torch.cat([stats[i, :, :qe - qs, 0] for i, (qs, qe, _, _, _) in enumerate(blocks)], dim=1)
-        grads = TORCH.backward(d_o, q, k, v, o, lse, blocks, attn_scale)
-        return [g.to(q.dtype) for g in grads]
-
-    fused.fused_attn_fwd, fused.fused_attn_bwd = fused_attn_fwd, fused_attn_bwd
-    for name, module in zip(names, (te, pt, constants, ext, fused, utils)):
-        monkeypatch.setitem(sys.modules, name, module)
-
-
-@pytest.mark.parametrize("library,variant", [("flash", True), ("flash", False), ("te", True), ("te", False)])
-def test_library_calls_with_fake_libraries(monkeypatch, library, variant):
-    """flash: variant = split window arguments (2.7+) or not (2.6); te: variant = packed stats or not."""
-    (_fake_flash if library == "flash" else _fake_te)(monkeypatch, variant)
-    cls = FlashAttentionKernel if library == "flash" else TEAttentionKernel
-    monkeypatch.setattr(cls, "check_inputs", VarlenPassKernel.check_inputs)  # everything but the CUDA check
-    kernel = cls()
-    gen = torch.Generator().manual_seed(9)
-    t, h_q, h_kv, d, scale = 40, 4, 2, 16, 0.25
-    q, k, v, dout = (torch.randn(t, h, d, generator=gen).half() for h in (h_q, h_kv, h_kv, h_q))
-    blocks = AttentionBlocks.from_list([(0, 12, 0, 12, True), (12, 30, 12, 30, True), (12, 30, 30, 40, False),
-                                        (30, 40, 0, 5, False), (35, 38, 20, 24, True)])
-    assert len(split_into_passes(blocks)) == 2
-    out, lse = kernel.forward(q, k, v, blocks, scale)
-    q64, k64, v64, dout64 = (x.double() for x in (q, k, v, dout))
-    mask = dense_mask(blocks, t, t)
-    ref_out, ref_lse = dense_attention(q64, k64, v64, mask, scale)
-    # fp16 inputs: each pass output is rounded to fp16 once (~5e-4 relative) before the fp32 merge
-    torch.testing.assert_close(out.double(), ref_out, atol=3e-3, rtol=0)
-    torch.testing.assert_close(lse.double(), ref_lse, atol=1e-4, rtol=0)
-    grads = kernel.backward(dout, q, k, v, out, lse, blocks, scale)
-    for got, ref in zip(grads, dense_grads(q64, k64, v64, mask, scale, dout64)):
-        assert got.dtype == torch.float32
-        torch.testing.assert_close(got.double(), ref, atol=2e-2, rtol=0)  # fp16 grads per pass, |grad| ~ 1
-
-
-def test_unsupported_library_versions_are_clear_errors(monkeypatch):
-    _fake_flash(monkeypatch, True)
-    monkeypatch.setattr(sys.modules["flash_attn"], "__version__", "2.5.9")
-    with pytest.raises(RuntimeError, match=r"flash-attn>=2.6.0,<3"):
-        FlashAttentionKernel()
-    _fake_te(monkeypatch, True)
-    monkeypatch.setattr(sys.modules["transformer_engine"], "__version__", "1.13.0")
-    with pytest.raises(RuntimeError, match=r"transformer-engine\[pytorch\]>=2.0,<3"):
-        TEAttentionKernel()

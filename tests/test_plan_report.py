@@ -31,32 +31,38 @@ def _table_rows(text: str) -> List[List[str]]:
 
 def test_tiny_report_has_one_row_per_placement(report, capsys, tmp_path) -> None:
     png = tmp_path / "plan.png"
-    assert report.main(["--sources", "buckets", "--sizes", "128K", "--layouts", "2x8", "--modes", "hybrid",
-                        "--png", str(png)]) == 0
+    assert report.main(["--mixes", "buckets", "--sizes", "128K", "--layouts", "2x8", "--batches", "2",
+                        "--plot", str(png)]) == 0
     out = capsys.readouterr().out
     rows = _table_rows(out)
     assert [r[4] for r in rows] == ["sequence-aware", "zigzag", "contiguous"]
     assert all(r[:4] == ["buckets", "128K", "2x8", "hybrid"] for r in rows)
     by_placement = {r[4]: r for r in rows}
     seq, zigzag = by_placement["sequence-aware"], by_placement["zigzag"]
-    assert seq[11] == "0" and int(zigzag[11]) > 0  # padding: none for sequence-aware, per document for zigzag
-    assert zigzag[9] == "100.0 %"
-    assert float(seq[8]) < float(zigzag[8])  # inter-node MiB
-    assert float(seq[6]) <= 1.05  # attention imbalance
+    assert seq[12] == "0" and zigzag[12] == "0"  # padding: none (128K is divisible by 16)
+    assert zigzag[11] == "100.0 %"
+    assert float(seq[9]) < float(zigzag[9])  # inter-node MiB
+    assert float(seq[6]) <= 1.02 and float(seq[8]) <= 1.05  # worst attention and token imbalance
     assert png.stat().st_size > 0
+    assert any(line.startswith("buckets 128K 2x8 hybrid sequence-aware:") for line in out.splitlines())
 
 
-def test_targets_are_checked_on_the_issue_configuration(report) -> None:
-    rows = list(report.run(["buckets"], ["1M"], ["2x8"], ["hybrid"], 0, report.CostModel()))
+def test_quality_targets_on_the_issue_configurations(report) -> None:
+    rows = list(report.run(["stdlib", "buckets"], ["1M"], ["2x8", "4x4"], ["hybrid"], 2, 0, report.CostModel()))
     lines = report.check_targets(rows)
-    assert len(lines) == 4
-    # Planning time depends on the machine's load; the placement-quality targets do not.
-    assert all(line.endswith("PASS") for line in lines if "planning" not in line), lines
+    assert len(lines) == 8  # sequence-aware and zigzag per (mix, layout)
+    # Planning time depends on the machine's load, and inter-node traffic against the (capacity-free, so
+    # loose on heavy-tailed mixes) lower bound is reported, not gated; balance and padding are gated.
+    for line in lines:
+        for target in ("attention imbalance", "token imbalance", "zero padding"):
+            assert target not in line, line
+    seq = [r for r in rows if r.placement == "sequence-aware"]
+    assert all(r.vs_bound is not None and r.vs_bound >= 1.0 for r in seq)  # never below the bound
+    assert all(r.vs_zigzag < 0.3 for r in seq)
 
 
-def test_one_node_ring_moves_nothing_between_nodes(report) -> None:
-    rows = list(report.run(["stdlib"], ["128K"], ["8"], ["ring"], 0, report.CostModel()))
+def test_pure_ring_moves_less_than_zigzag(report) -> None:
+    rows = list(report.run(["stdlib"], ["128K"], ["2x4"], ["ring"], 1, 0, report.CostModel()))
     assert [r.placement for r in rows] == ["sequence-aware", "zigzag", "contiguous"]
-    assert all(r.inter_bytes == 0 and r.inter_vs_zigzag is None for r in rows)
     seq, zigzag = rows[0], rows[1]
-    assert seq.total_bytes < zigzag.total_bytes and seq.padding == 0
+    assert seq.inter_mib < zigzag.inter_mib and seq.padding == 0 and zigzag.padding == 0

@@ -60,6 +60,17 @@ def test_bad_jsonl_is_a_clear_error(tmp_path, content, message):
     assert not (tmp_path / "out_text_document.bin").exists()
 
 
+def test_token_ids_beyond_vocab_size_are_refused(tmp_path):
+    src = tmp_path / "ids.jsonl"
+    src.write_text(json.dumps({"text": "1 2 3"}) + "\n" + json.dumps({"text": "4 700 5"}) + "\n")
+    result = _preprocess("--input", str(src), "--output-prefix", str(tmp_path / "out"), "--tokenizer-type",
+                         "NullTokenizer", "--vocab-size", "512")
+    assert result.returncode == 2
+    # NullTokenizer's vocabulary is --vocab-size plus its EOD id
+    assert "document 2 has token id 700, outside the tokenizer's vocabulary [0, 513)" in result.stderr
+    assert not (tmp_path / "out_text_document.bin").exists()
+
+
 def test_preprocessed_data_trains(tmp_path):
     src = tmp_path / "corpus.jsonl"
     src.write_text("".join(json.dumps({"text": f"document {i}: " + "abc " * (i % 50)}) + "\n" for i in range(200)))

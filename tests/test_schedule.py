@@ -44,7 +44,8 @@ def _check_plan(lengths, topo: CPTopology, layout: str, causal: bool) -> None:
             src_schedule = plan.member_schedule(causal, recv.src_member)
             send = next(s for s in src_schedule.send_steps if s.dst_member == member)
             assert send.distance == recv.distance and send.rows.num_rows == recv.num_rows
-            sent_rows = send.rows.gather(_member_rows(plan, recv.src_member))
+            src_rows = _member_rows(plan, recv.src_member)
+            sent_rows = send.rows.gather_into(src_rows, torch.empty(send.rows.num_rows, dtype=src_rows.dtype))
             assert bool((sent_rows >= 0).all()), "padding rows must never be sent"
             mask = blocks_mask(recv.blocks, len(q_rows), recv.num_rows)
             covered[:, sent_rows] += mask.long()
@@ -116,15 +117,17 @@ def test_plans_are_cached_by_length_signature():
     assert plan_batch(cu_seqlens_from_lengths([5, 9, 3]), topo, "zigzag")._data is not a._data
 
 
-def test_zigzag_padding_and_positions():
+def test_zigzag_is_pad_free_with_round_robin_remainders():
     topo = CPTopology.offline(2, 1, 2)
     plan = plan_batch(cu_seqlens_from_lengths([5, 0, 3]), topo, "zigzag")
-    # 2C = 4 chunks per document. doc 0 (5 tokens): chunk 2 -> [0,2) [2,4) [4,5) [empty];
-    # doc 2 (3 tokens): chunk 1 -> [0,1) [1,2) [2,3) [empty]. Rank 0 keeps chunks 0 and 3, rank 1 chunks 1 and 2.
-    assert plan.tokens_per_rank == 2 * 2 + 2 * 1
-    assert plan.rank_segments == (((0, 0, 2), (2, 0, 1)), ((0, 2, 4), (0, 4, 5), (2, 1, 2), (2, 2, 3)))
-    assert plan.position_ids_of(0).tolist() == [0, 1, 0, 0, 0, 0]
-    assert plan.global_indices_of(0).tolist() == [0, 1, 5, -1, -1, -1]
-    assert plan.global_indices_of(1).tolist() == [2, 3, 4, 6, 7, -1]
+    # 2R = 4 chunks per document; remainder tokens go round-robin to chunks 0, 1, 3, 2 (first chunks of members
+    # 0, 1, then their second chunks), continuing across documents. doc 0 (5 = 4 * 1 + 1): chunk 0 gets the
+    # extra token -> [0,2) [2,3) [3,4) [4,5); doc 2 (3 = 0 + 3): chunks 1, 3, 2 -> [] [0,1) [1,2) [2,3).
+    # Member 0 keeps chunks 0 and 3, member 1 chunks 1 and 2 (adjacent, one segment).
+    assert plan.tokens_per_rank == 4
+    assert plan.rank_segments == (((0, 0, 2), (0, 4, 5), (2, 2, 3)), ((0, 2, 4), (2, 0, 2)))
+    assert plan.position_ids_of(0).tolist() == [0, 1, 4, 2]
+    assert plan.global_indices_of(0).tolist() == [0, 1, 4, 7]
+    assert plan.global_indices_of(1).tolist() == [2, 3, 5, 6]
     stats = plan.stats(2, 2, 4, torch.float32)
-    assert stats.padding_tokens == [3, 1] and stats.tokens == [3, 5]
+    assert stats.padding_tokens == [0, 0] and stats.tokens == [4, 4]

@@ -31,7 +31,7 @@ def _attention_error(lengths: List[int], mode: str, ulysses_size: Optional[int],
 
     topo = initialize_model_parallel(context_parallel_size=dist.get_world_size(), ranks_per_node=ranks_per_node,
                                      cp_config=ContextParallelConfig(mode=mode, ulysses_size=ulysses_size,
-                                                                     kernel="torch"))
+                                                                     kernel="cpu_fused"))
     cu = cu_seqlens_from_lengths(lengths)
     plan = plan_batch(cu, topo, "sequence-aware")
     gen = torch.Generator().manual_seed(sum(lengths))
@@ -86,7 +86,7 @@ def _measured_traffic(lengths: List[int], mode: str, ulysses_size: Optional[int]
 
     topo = initialize_model_parallel(context_parallel_size=dist.get_world_size(), ranks_per_node=ranks_per_node,
                                      cp_config=ContextParallelConfig(mode=mode, ulysses_size=ulysses_size,
-                                                                     kernel="torch"))
+                                                                     kernel="cpu_fused"))
     plan = plan_batch(cu_seqlens_from_lengths(lengths), topo, "sequence-aware")
     q = torch.randn(plan.tokens_per_rank, 8, 16, requires_grad=True)
     k = torch.randn(plan.tokens_per_rank, 4, 16, requires_grad=True)

@@ -18,7 +18,7 @@ import json
 import os
 import subprocess
 import sys
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 import pytest
 
@@ -33,12 +33,14 @@ def cache_dir(tmp_path_factory) -> str:
     return str(tmp_path_factory.mktemp("hsap_cache"))
 
 
-def _run(flags: List[str], nproc: int, timeout: float = 420) -> subprocess.CompletedProcess:
-    """One CLI run; a run that does not finish within ``timeout`` fails the test (a hang is a bug)."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    env.pop("RANK", None)
-    env.pop("WORLD_SIZE", None)
-    return subprocess.run([sys.executable, SCRIPT, "--nproc", str(nproc)] + flags, cwd=ROOT, env=env,
+def _run(flags: List[str], nproc: int, timeout: float = 420, env: Optional[Dict[str, str]] = None
+         ) -> subprocess.CompletedProcess:
+    """One CLI run (``env``: extra environment variables); a run that does not finish within ``timeout`` fails
+    the test (a hang is a bug)."""
+    full_env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", **(env or {}))
+    full_env.pop("RANK", None)
+    full_env.pop("WORLD_SIZE", None)
+    return subprocess.run([sys.executable, SCRIPT, "--nproc", str(nproc)] + flags, cwd=ROOT, env=full_env,
                           capture_output=True, text=True, timeout=timeout)
 
 

@@ -77,7 +77,7 @@ def _run_cases(mode: str, ulysses_size: int, ranks_per_node: int,
     cp = dist.get_world_size()
     topo = initialize_model_parallel(context_parallel_size=cp, ranks_per_node=ranks_per_node,
                                      cp_config=ContextParallelConfig(mode=mode, ulysses_size=ulysses_size,
-                                                                     kernel="torch"))
+                                                                     kernel="cpu_fused"))
     assert topo.ulysses_size == ulysses_size
     results: Dict[str, float] = {}
     layouts = itertools.cycle(("zigzag", "sequence-aware", "contiguous"))
@@ -266,7 +266,7 @@ def _error_paths() -> List[str]:
     from megatron_hsap.sequence.plan import plan_batch
 
     topo = initialize_model_parallel(context_parallel_size=dist.get_world_size(),
-                                     cp_config=ContextParallelConfig(mode="ulysses", kernel="torch"))
+                                     cp_config=ContextParallelConfig(mode="ulysses", kernel="cpu_fused"))
     plan = plan_batch(cu_seqlens_from_lengths([40, 24]), topo, "zigzag")
     t = plan.tokens_per_rank
 

@@ -1,7 +1,8 @@
 #!/usr/bin/env python
 """Benchmark context-parallel attention modes on CPU ranks (gloo); prints figures, asserts nothing.
 
-For each mode it reports per rank: forward+backward time (median of --repeats),
+For each mode it reports per rank: forward+backward wall and process-CPU time (median of
+--repeats; on a shared machine compare CPU times),
 bytes sent intra-/inter-node in one forward+backward, peak tracked live memory,
 and the max error against an independent fp64 reference (per-document SDPA) on a
 small problem. With --compare-deepspeed (where DeepSpeed is installed), its Ulysses ``DistributedAttention``
@@ -20,7 +21,7 @@ import socket
 import statistics
 import sys
 import time
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -30,8 +31,9 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron_hsap.attention import context_parallel_attention  # noqa: E402
-from megatron_hsap.config import ContextParallelConfig  # noqa: E402
+from megatron_hsap.config import KERNELS, ContextParallelConfig  # noqa: E402
 from megatron_hsap.instrumentation import count_comm  # noqa: E402
+from megatron_hsap.kernels import get_kernel  # noqa: E402
 from megatron_hsap.instrumentation.memory import track_peak_memory  # noqa: E402
 from megatron_hsap.reference import sdpa_reference  # noqa: E402
 from megatron_hsap.parallel_state import destroy_model_parallel, initialize_model_parallel  # noqa: E402
@@ -52,13 +54,16 @@ def doc_lengths_for(kind: str, total: int, seed: int) -> List[int]:
     raise ValueError(f"--docs={kind!r} is not supported; allowed values: 'single', 'buckets', 'stdlib'")
 
 
-def _time_fwd_bwd(fn, repeats: int) -> float:
-    times = []
+def _time_fwd_bwd(fn, repeats: int) -> Tuple[float, float]:
+    """Median wall and process-CPU seconds of ``fn``. The CPU time is what to compare on a shared
+    machine: a rank waiting for a core does not count, a rank computing (or copying) does."""
+    times, cpu_times = [], []
     for _ in range(repeats + 1):  # the first run warms caches and plans
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         fn()
         times.append(time.perf_counter() - t0)
-    return statistics.median(times[1:])
+        cpu_times.append(time.process_time() - c0)
+    return statistics.median(times[1:]), statistics.median(cpu_times[1:])
 
 
 def _bench_mode(args, mode: str, lengths: List[int]) -> Dict[str, float]:
@@ -66,7 +71,7 @@ def _bench_mode(args, mode: str, lengths: List[int]) -> Dict[str, float]:
     ulysses = args.ulysses_size if mode in ("hybrid", "hsap") else None
     topo = initialize_model_parallel(context_parallel_size=world, ranks_per_node=args.ranks_per_node,
                                      cp_config=ContextParallelConfig(mode=mode, ulysses_size=ulysses,
-                                                                     kernel="torch"))
+                                                                     kernel=args.kernel))
     dtype = DTYPES[args.dtype]
     try:
         plan = plan_batch(cu_seqlens_from_lengths(lengths), topo, args.layout)
@@ -79,11 +84,11 @@ def _bench_mode(args, mode: str, lengths: List[int]) -> Dict[str, float]:
         def step():
             context_parallel_attention(q, k, v, plan).float().pow(2).sum().backward()
 
-        seconds = _time_fwd_bwd(step, args.repeats)
+        seconds, cpu_seconds = _time_fwd_bwd(step, args.repeats)
         with count_comm() as comm, track_peak_memory() as mem:
             step()
         error = _check_error(topo, args, mode)
-        return {"time_s": seconds, "send_intra_MB": comm.send_bytes_intra / 2**20,
+        return {"time_s": seconds, "cpu_s": cpu_seconds, "send_intra_MB": comm.send_bytes_intra / 2**20,
                 "send_inter_MB": comm.send_bytes_inter / 2**20, "peak_MB": mem.peak_bytes / 2**20,
                 "max_err": error, "ulysses": topo.ulysses_size, "padding": plan.num_padding_tokens}
     finally:
@@ -104,7 +109,7 @@ def _check_error(topo, args, mode: str) -> float:
     return (out - sdpa_reference(q, k, v, lengths)).abs().max().item()
 
 
-def _bench_deepspeed(args, lengths: List[int]) -> Optional[float]:
+def _bench_deepspeed(args, lengths: List[int]) -> Optional[Tuple[float, float]]:
     """DeepSpeed Ulysses over SDPA on the same problem (contiguous split, block-diagonal causal mask)."""
     try:
         import deepspeed
@@ -163,6 +168,8 @@ def main(argv: Optional[List[str]] = None) -> None:
     parser.add_argument("--docs", default="single", choices=["single", "buckets", "stdlib"])
     parser.add_argument("--layout", default="zigzag", choices=["zigzag", "contiguous", "sequence-aware"])
     parser.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
+    parser.add_argument("--kernel", default="auto", choices=KERNELS,
+                        help="local attention kernel ('auto': cpu_fused on a machine without CUDA; 'torch': reference)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     parser.add_argument("--seed", type=int, default=0)
@@ -197,22 +204,23 @@ def main(argv: Optional[List[str]] = None) -> None:
     lengths = doc_lengths_for(args.docs, args.seq_len, args.seed)
     print(f"# {args.ranks} ranks ({args.ranks_per_node} per node), seq {args.seq_len} ({len(lengths)} docs, "
           f"{args.docs}), heads {args.heads}/{args.kv_heads} x {args.head_dim}, {args.dtype}, layout {args.layout}, "
-          f"{args.threads} thread(s)/rank, median of {args.repeats}")
-    print(f"{'mode':8} {'rank':>4} {'U':>2} {'fwd+bwd s':>10} {'intra MB':>9} {'inter MB':>9} {'peak MB':>8} "
-          f"{'pad':>5} {'max err':>9}")
+          f"{args.threads} thread(s)/rank, kernel {get_kernel(args.kernel).name}, median of {args.repeats}")
+    print(f"{'mode':8} {'rank':>4} {'U':>2} {'fwd+bwd s':>10} {'cpu s':>7} {'intra MB':>9} {'inter MB':>9} "
+          f"{'peak MB':>8} {'pad':>5} {'max err':>9}")
     for mode in args.modes:
         for rank, results, _ in rows:
             r = results[mode]
-            print(f"{mode:8} {rank:>4} {r['ulysses']:>2} {r['time_s']:>10.3f} {r['send_intra_MB']:>9.2f} "
-                  f"{r['send_inter_MB']:>9.2f} {r['peak_MB']:>8.1f} {r['padding']:>5} {r['max_err']:>9.1e}")
+            print(f"{mode:8} {rank:>4} {r['ulysses']:>2} {r['time_s']:>10.3f} {r['cpu_s']:>7.3f} "
+                  f"{r['send_intra_MB']:>9.2f} {r['send_inter_MB']:>9.2f} {r['peak_MB']:>8.1f} {r['padding']:>5} "
+                  f"{r['max_err']:>9.1e}")
     ds_times = [ds for _, _, ds in rows]
     if all(t is not None for t in ds_times):
-        ds_time = max(ds_times)
+        ds_wall, ds_cpu = (max(t[i] for t in ds_times) for i in (0, 1))
         print(f"DeepSpeed Ulysses (SDPA{', block-diagonal mask' if len(lengths) > 1 else ''}): "
-              f"{ds_time:.3f} s (slowest rank)")
+              f"{ds_wall:.3f} s, cpu {ds_cpu:.3f} s (slowest rank)")
         for mode in args.modes:
-            ours = max(results[mode]["time_s"] for _, results, _ in rows)
-            print(f"time ratio {mode} / DeepSpeed Ulysses: {ours / ds_time:.2f}")
+            wall, cpu = (max(results[mode][key] for _, results, _ in rows) for key in ("time_s", "cpu_s"))
+            print(f"time ratio {mode} / DeepSpeed Ulysses: {wall / ds_wall:.2f} (cpu time {cpu / ds_cpu:.2f})")
     else:
         print("DeepSpeed comparison not run (needs --compare-deepspeed, deepspeed installed, "
               "MHA and heads/tokens divisible by the ranks)")

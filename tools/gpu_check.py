@@ -18,14 +18,19 @@ section runs. What each figure means is documented in docs/gpu.md.
    of one causal sequence of L tokens for the heads one rank holds in plain
    Ulysses (H/C query heads) and in one UPipe stage (U/C query heads), Llama3-8B
    head shape; the ratio stage/all is the cost of head chunking (REFERENCE.md 1.1).
-3. memory: one rank of a C-way job emulated on the single GPU (all-to-all replaced
-   by a local copy of the same size): peak memory of one Llama3-8B attention
-   block (QKV projection, all-to-all, attention, all-to-all back, output
-   projection) forward+backward, Ulysses vs UPipe stages, and of a full layer
-   (norms, attention block, sequence-tiled SwiGLU MLP) under full activation
-   recomputation, at the per-rank length of a 5M-token context on 8 ranks,
-   halved until it fits.
+3. memory: the package's own attention (context_parallel_attention for plain
+   Ulysses, head_chunked_attention for UPipe stages) in a one-process job (CP = 1,
+   all-to-alls are identity) on the per-rank length of a 5M-token context on 8
+   ranks, halved until it fits: the same Q/K/V elements per rank as the 8-way job,
+   without its all-to-all buffers. Peak memory of one Llama3-8B attention block
+   (QKV projection, attention, output projection) forward+backward, and of a full
+   layer (norms, attention block, sequence-tiled SwiGLU MLP) under full
+   activation recomputation.
 4. training: a short pretrain_gpt_hsap.py run (CP=1, one process, bf16, mock data).
+
+One GPU cannot run CP > 1 (NCCL refuses two ranks of one communicator on one
+device; gloo has no all-to-all for CUDA tensors): the collectives are checked by
+the multi-process CPU tests, not here.
 """
 
 from __future__ import annotations
@@ -35,24 +40,32 @@ import datetime
 import json
 import math
 import os
+import socket
 import subprocess
 import sys
 import time
 import traceback
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
+import torch.distributed as dist
 from torch.utils.checkpoint import checkpoint
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
+from megatron_hsap.attention.context_parallel import context_parallel_attention  # noqa: E402
+from megatron_hsap.attention.upipe import head_chunked_attention  # noqa: E402
+from megatron_hsap.config import ContextParallelConfig  # noqa: E402
+from megatron_hsap.instrumentation.memory import track_peak_memory  # noqa: E402
 from megatron_hsap.kernels import get_kernel  # noqa: E402
 from megatron_hsap.kernels.base import AttentionBlocks, AttentionKernel  # noqa: E402
 from megatron_hsap.kernels.gpu_common import merge_partial  # noqa: E402
-from megatron_hsap.instrumentation.memory import track_peak_memory  # noqa: E402
-from megatron_hsap.sequence.doc_lengths import sample_doc_lengths  # noqa: E402
+from megatron_hsap.parallel_state import CPTopology, destroy_model_parallel, initialize_model_parallel  # noqa: E402
+from megatron_hsap.sequence.doc_lengths import cu_seqlens_from_lengths, sample_doc_lengths  # noqa: E402
+from megatron_hsap.sequence.plan import BatchPlan, plan_batch  # noqa: E402
 
 GPU_KERNELS = ("flash", "te")
 TORCH_KERNEL_DOC_LEN = 512  # section 3 document length when only the torch kernel is there
@@ -68,10 +81,10 @@ class Sizes:
     hidden: int = 4096                # Llama3-8B
     heads: int = 32
     kv_heads: int = 8
-    cp: int = 8                       # C: ranks of the emulated job
+    cp: int = 8                       # C: ranks of the modelled job (per-rank shapes)
     stage_heads: int = 8              # U: query heads per UPipe stage
     lengths: Tuple[int, ...] = (32768, 65536, 131072, 262144, 524288, 1048576)
-    mem_context: int = 5 * 1024 * 1024  # section 3: total context of the emulated job
+    mem_context: int = 5 * 1024 * 1024  # section 3: total context of the modelled job
     mem_doc_len: int = 32768          # section 3: document length of the packed mask (memory does not depend on it)
     ffn_hidden: int = 14336           # section 3: Llama3-8B MLP
     mlp_chunk: int = 65536            # section 3: tokens per tile of the sequence-tiled MLP
@@ -203,8 +216,12 @@ def section_equivalence(sizes: Sizes, device: torch.device, kernels: List[str]) 
         pt = dense_lowp_attention(q, k, v, dout, mask, scale)
         del mask
         for name in kernels:
-            got = _run_calls(get_kernel(name), q, k, v, dout, calls, scale)
-            row = {"kernel": name, "case": case, "tokens": t, "heads": f"{h_q}:{h_kv}", "head_dim": d}
+            kernel = get_kernel(name)
+            delegated = getattr(kernel, "fallback_calls", 0)
+            got = _run_calls(kernel, q, k, v, dout, calls, scale)
+            row = {"kernel": name, "case": case, "tokens": t, "heads": f"{h_q}:{h_kv}", "head_dim": d,
+                   # TE calls handed to flash/torch because TE's backend query refused the shape
+                   "fallback_calls": getattr(kernel, "fallback_calls", 0) - delegated}
             passed = True
             for label, index, factor in (("out", 0, 2), ("lse", 1, 2)):
                 err, base = max_err(got[index], ref[index]), max_err(pt[index], ref[index])
@@ -228,7 +245,7 @@ def attention_flops(blocks: AttentionBlocks, h_q: int, d: int) -> Tuple[float, f
 
 
 def check_head_layout(sizes: Sizes) -> None:
-    """The emulated job's head split must be exact (no KV replication in this script)."""
+    """The modelled job's head split must be exact (no KV replication in this script)."""
     C, U = sizes.cp, sizes.stage_heads
     if sizes.heads % C or sizes.kv_heads % C or U % C or sizes.heads % U or U > sizes.heads:
         raise ValueError(f"heads={sizes.heads}, kv_heads={sizes.kv_heads}, stage_heads={U} must all be multiples "
@@ -268,10 +285,12 @@ def section_throughput(sizes: Sizes, device: torch.device, kernels: List[str], b
                                              dtype=torch.bfloat16, generator=gen)
                 q, k, v, dout = make(h_q), make(h_kv), make(h_kv), make(h_q)
                 scale = sizes.head_dim ** -0.5
+                delegated = getattr(kernel, "fallback_calls", 0)
                 out, lse = kernel.forward(q, k, v, blocks, scale)
                 t_fwd = timed(lambda: kernel.forward(q, k, v, blocks, scale), device, reps)
                 t_bwd = timed(lambda: kernel.backward(dout, q, k, v, out, lse, blocks, scale), device, reps)
                 rows.append({"kernel": name, "length": length, "config": label, "h_q": h_q, "h_kv": h_kv,
+                             "fallback_calls": getattr(kernel, "fallback_calls", 0) - delegated,
                              "fwd_ms": 1e3 * t_fwd, "bwd_ms": 1e3 * t_bwd,
                              "fwd_tflops": fwd_flops / t_fwd / 1e12, "bwd_tflops": bwd_flops / t_bwd / 1e12,
                              "fwd_bwd_tflops": (fwd_flops + bwd_flops) / (t_fwd + t_bwd) / 1e12})
@@ -288,92 +307,52 @@ def section_throughput(sizes: Sizes, device: torch.device, kernels: List[str], b
     return {"cp": C, "stage_heads": U, "rows": rows, "ratios": ratios}
 
 
-# ---------------------------------------------------------------- section 3: memory (one rank of a C-way job)
+# ---------------------------------------------------------------- section 3: memory (the package at CP = 1)
 
-class _Attention(torch.autograd.Function):
-    """Autograd wrapper of one kernel call (the emulation's attention), layouts ``[S, h, d]``."""
+@contextmanager
+def one_rank_cp_group(device: torch.device, kernel_name: str) -> Iterator[CPTopology]:
+    """A one-process job (CP = 1) so the package's own attention code runs: NCCL on CUDA, gloo on CPU.
 
-    @staticmethod
-    def forward(ctx, q, k, v, kernel, blocks, scale):
-        out, lse = kernel.forward(q, k, v, blocks, scale)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.kernel, ctx.blocks, ctx.scale = kernel, blocks, scale
-        return out
-
-    @staticmethod
-    def backward(ctx, dout):
-        q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = ctx.kernel.backward(dout.contiguous(), q, k, v, out, lse, ctx.blocks, ctx.scale)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
-
-
-def _all_to_all(x: torch.Tensor, shape: Tuple[int, ...]) -> torch.Tensor:
-    """Stand-in for the all-to-all: a copy of the same size into the other layout
-    (``[S/C, h*d]`` -> ``[S, h/C, d]`` or back); the values are scrambled, the buffers are real."""
-    return x.reshape(shape).clone()
-
-
-class _UPipeStage(torch.autograd.Function):
-    """One UPipe stage on one rank: projects only its heads and recomputes them in the backward.
-
-    x ``[n, hidden]`` (this rank's n = S/C tokens), wq ``[U*d, hidden]`` (the stage's query heads),
-    wk/wv ``[H_kv*d, hidden]`` (the emulation sends every KV head each stage; the real schedule
-    sends a KV head once per group, same memory); returns the stage output ``[n, U*d]``.
-    Saved: x (shared by all stages), the stage's attention output and LSE; Q/K/V are rebuilt
-    in the backward instead of being kept.
+    One GPU cannot host a CP > 1 job: NCCL refuses two ranks of one communicator on the same device,
+    and gloo has no all-to-all for CUDA tensors; multi-rank paths are covered by the CPU test suite.
     """
-
-    @staticmethod
-    def forward(ctx, x, wq, wk, wv, kernel, blocks, scale, shape):
-        with torch.no_grad():
-            q, k, v = _stage_qkv(x, wq, wk, wv, shape)
-            out, lse = kernel.forward(q, k, v, blocks, scale)
-            del q, k, v
-        ctx.save_for_backward(x, wq, wk, wv, out, lse)
-        ctx.kernel, ctx.blocks, ctx.scale, ctx.shape = kernel, blocks, scale, shape
-        return _all_to_all(out, (x.shape[0], -1))
-
-    @staticmethod
-    def backward(ctx, grad):
-        x, wq, wk, wv, out, lse = ctx.saved_tensors
-        n = x.shape[0]
-        q, k, v = _stage_qkv(x, wq, wk, wv, ctx.shape)
-        dout = _all_to_all(grad, out.shape)
-        dq, dk, dv = ctx.kernel.backward(dout, q, k, v, out, lse, ctx.blocks, ctx.scale)
-        del q, k, v, dout
-        dq, dk, dv = (_all_to_all(g.to(x.dtype), (n, -1)) for g in (dq, dk, dv))
-        dx = dq @ wq + dk @ wk + dv @ wv
-        return dx, dq.t() @ x, dk.t() @ x, dv.t() @ x, None, None, None, None
+    created = not dist.is_initialized()
+    if created:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if device.type == "cuda":  # NCCL binds the process to the current device
+            torch.cuda.set_device(device.index if device.index is not None else torch.cuda.current_device())
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
+                                init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    try:
+        yield initialize_model_parallel(context_parallel_size=1,
+                                        cp_config=ContextParallelConfig(mode="ulysses", kernel=kernel_name))
+    finally:
+        destroy_model_parallel()
+        if created:
+            dist.destroy_process_group()
 
 
-def _stage_qkv(x, wq, wk, wv, shape):
-    """Project and exchange one stage's heads: returns q ``[S, U/C, d]``, k/v ``[S, H_kv/C, d]``."""
-    seq, h_q, h_kv, d = shape
-    return (_all_to_all(x @ wq.t(), (seq, h_q, d)), _all_to_all(x @ wk.t(), (seq, h_kv, d)),
-            _all_to_all(x @ wv.t(), (seq, h_kv, d)))
+def _attention_block(kind: str, x: torch.Tensor, wqkv: torch.Tensor, wo: torch.Tensor, plan: BatchPlan,
+                     sizes: Sizes) -> torch.Tensor:
+    """One attention block through the package: x ``[n, hidden]`` -> ``[n, hidden]``.
 
-
-def _attention_block(kind: str, x, weights, kernel, blocks, sizes: Sizes, seq: int) -> torch.Tensor:
-    """One rank's attention block: Ulysses (all heads at once) or UPipe (U heads per stage)."""
-    wq, wk, wv, wo = weights
-    C, d, n = sizes.cp, sizes.head_dim, x.shape[0]
-    scale = d ** -0.5
-    h_kv = sizes.kv_heads // C
-    if kind == "ulysses":
-        q = _all_to_all(x @ wq.t(), (seq, sizes.heads // C, d))
-        k = _all_to_all(x @ wk.t(), (seq, h_kv, d))
-        v = _all_to_all(x @ wv.t(), (seq, h_kv, d))
-        out = _Attention.apply(q, k, v, kernel, blocks, scale)
-        return _all_to_all(out, (n, -1)) @ wo.t()
-    U, group = sizes.stage_heads, sizes.heads // sizes.kv_heads
-    outs = []
-    for stage in range(sizes.heads // U):
-        # REFERENCE.md 1.1 GQA schedule: consecutive stages walk the KV heads, taking one query head of each
-        index = [stage * U + i for i in range(U)]
-        heads = [(j % sizes.kv_heads) * group + j // sizes.kv_heads for j in index]
-        rows = torch.cat([torch.arange(h * d, (h + 1) * d, device=x.device) for h in heads])
-        outs.append(_UPipeStage.apply(x, wq[rows], wk, wv, kernel, blocks, scale, (seq, U // C, h_kv, d)))
-    return torch.cat(outs, dim=1) @ wo.t()
+    ``ulysses``: QKV projection kept by autograd, then ``context_parallel_attention`` (the package's
+    plain path); ``upipe``: ``head_chunked_attention`` with ``stage_heads`` query heads per stage
+    (projects a stage's heads only and rebuilds them in the backward). wqkv is Megatron's
+    ``linear_qkv`` weight ``[(G + 2) * H_kv * d, hidden]`` (per KV group: G query heads, key, value).
+    """
+    n, d, h, h_kv = x.shape[0], sizes.head_dim, sizes.heads, sizes.kv_heads
+    if kind == "upipe":
+        out = head_chunked_attention(x.unsqueeze(1), wqkv, None, plan, num_heads_q=h, num_heads_kv=h_kv,
+                                     head_dim=d, rope_base=None, head_chunk_size=sizes.stage_heads)
+        return out.reshape(n, h * d) @ wo.t()
+    group = h // h_kv
+    qkv = (x @ wqkv.t()).view(n, h_kv, group + 2, d)
+    q = qkv[:, :, :group].reshape(n, h, d)
+    k, v = qkv[:, :, group].contiguous(), qkv[:, :, group + 1].contiguous()
+    return context_parallel_attention(q, k, v, plan).reshape(n, h * d) @ wo.t()
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -385,12 +364,11 @@ def _swiglu(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: t
     return (torch.nn.functional.silu(x @ w_gate.t()) * (x @ w_up.t())) @ w_down.t()
 
 
-def _layer(kind: str, x: torch.Tensor, params: Dict[str, torch.Tensor], kernel, blocks, sizes: Sizes,
-           seq: int) -> torch.Tensor:
+def _layer(kind: str, x: torch.Tensor, params: Dict[str, torch.Tensor], plan: BatchPlan,
+           sizes: Sizes) -> torch.Tensor:
     """One Llama-style layer on one rank: x ``[n, hidden]`` -> ``[n, hidden]``; the MLP is sequence-tiled
     (chunks of ``sizes.mlp_chunk`` tokens, each recomputed), as in the UPipe paper's long-context runs."""
-    attn = [params[name] for name in ("wq", "wk", "wv", "wo")]
-    h = x + _attention_block(kind, _rms_norm(x, params["norm1"]), attn, kernel, blocks, sizes, seq)
+    h = x + _attention_block(kind, _rms_norm(x, params["norm1"]), params["wqkv"], params["wo"], plan, sizes)
     normed = _rms_norm(h, params["norm2"])
     mlp = [checkpoint(_swiglu, normed[i:i + sizes.mlp_chunk], params["w_gate"], params["w_up"], params["w_down"],
                       use_reentrant=False) for i in range(0, normed.shape[0], sizes.mlp_chunk)]
@@ -399,8 +377,7 @@ def _layer(kind: str, x: torch.Tensor, params: Dict[str, torch.Tensor], kernel, 
 
 def _layer_params(sizes: Sizes, device: torch.device, gen: torch.Generator) -> Dict[str, torch.Tensor]:
     d, hidden = sizes.head_dim, sizes.hidden
-    shapes = {"wq": (sizes.heads * d, hidden), "wk": (sizes.kv_heads * d, hidden),
-              "wv": (sizes.kv_heads * d, hidden), "wo": (hidden, sizes.heads * d),
+    shapes = {"wqkv": ((sizes.heads + 2 * sizes.kv_heads) * d, hidden), "wo": (hidden, sizes.heads * d),
               "w_gate": (sizes.ffn_hidden, hidden), "w_up": (sizes.ffn_hidden, hidden),
               "w_down": (hidden, sizes.ffn_hidden)}
     params = {name: (torch.randn(shape, device=device, dtype=torch.bfloat16, generator=gen) * shape[1] ** -0.5)
@@ -422,61 +399,68 @@ def _peak_of(run: Callable[[], None], device: torch.device) -> Tuple[int, float]
 
 
 def section_memory(sizes: Sizes, device: torch.device, kernel_name: str, budget_s: float) -> dict:
+    """Peak memory of the package's attention (plain Ulysses vs UPipe stages) on n = context / C tokens.
+
+    At CP = 1 the package's all-to-alls are identity, so one process with n tokens and all H heads holds
+    the same Q/K/V elements as one rank of a C-way job after its all-to-all (n * H = S * H / C); the
+    all-to-all buffers of a real C-way job (about one stage's Q/K/V more) are not in these peaks.
+    """
     check_head_layout(sizes)
-    kernel = get_kernel(kernel_name)
     C, d = sizes.cp, sizes.head_dim
     gen = torch.Generator(device=device).manual_seed(2)
     params = _layer_params(sizes, device, gen)
     # the torch kernel's run time grows with its tile count: short documents keep it to seconds
     doc_len = sizes.mem_doc_len if kernel_name != "torch" else min(sizes.mem_doc_len, TORCH_KERNEL_DOC_LEN)
     results, started = [], time.perf_counter()
-    for context in (sizes.mem_context // 2 ** i for i in range(5)):  # halve until it fits
-        n = context // C
-        blocks = packed_causal_blocks([min(doc_len, context - s) for s in range(0, context, doc_len)])
-        rows = []
-        try:
-            for scope in ("attention_block", "layer_recompute"):
-                for kind in ("ulysses", "upipe"):
-                    if time.perf_counter() - started > budget_s:
-                        rows.append({"scope": scope, "kind": kind, "context": context, "skipped": "time budget"})
-                        continue
-                    x = torch.randn(n, sizes.hidden, device=device, dtype=torch.bfloat16, generator=gen)
-                    x.requires_grad_(True)
-                    grad_y = torch.randn(n, sizes.hidden, device=device, dtype=torch.bfloat16, generator=gen)
+    with one_rank_cp_group(device, kernel_name) as topology:
+        for context in (sizes.mem_context // 2 ** i for i in range(5)):  # halve until it fits
+            n = context // C
+            lengths = [min(doc_len, n - s) for s in range(0, n, doc_len)]
+            plan = plan_batch(cu_seqlens_from_lengths(lengths), topology, "contiguous")
+            n = plan.tokens_per_rank
+            rows = []
+            try:
+                for scope in ("attention_block", "layer_recompute"):
+                    for kind in ("ulysses", "upipe"):
+                        if time.perf_counter() - started > budget_s:
+                            rows.append({"scope": scope, "kind": kind, "context": context, "skipped": "time budget"})
+                            continue
+                        x = torch.randn(n, sizes.hidden, device=device, dtype=torch.bfloat16, generator=gen)
+                        x.requires_grad_(True)
+                        grad_y = torch.randn(n, sizes.hidden, device=device, dtype=torch.bfloat16, generator=gen)
 
-                    def run() -> None:
-                        if scope == "attention_block":
-                            attn = [params[name] for name in ("wq", "wk", "wv", "wo")]
-                            y = _attention_block(kind, x, attn, kernel, blocks, sizes, context)
-                        else:  # full activation recomputation: only the layer input is kept
-                            y = checkpoint(_layer, kind, x, params, kernel, blocks, sizes, context,
-                                           use_reentrant=False)
-                        y.backward(grad_y)
+                        def run() -> None:
+                            if scope == "attention_block":
+                                y = _attention_block(kind, x, params["wqkv"], params["wo"], plan, sizes)
+                            else:  # full activation recomputation: only the layer input is kept
+                                y = checkpoint(_layer, kind, x, params, plan, sizes, use_reentrant=False)
+                            y.backward(grad_y)
 
-                    peak, seconds = _peak_of(run, device)
-                    heads = sizes.stage_heads if kind == "upipe" else sizes.heads
-                    rows.append({"scope": scope, "kind": kind, "context": context, "tokens_per_rank": n, "cp": C,
-                                 "stage_heads": heads, "peak_bytes": peak,
-                                 "peak_gib": peak / 2 ** 30, "fwd_bwd_s": seconds,
-                                 # REFERENCE.md 1.1: bf16 Q/K/V + their all-to-all outputs, MHA count
-                                 "formula_bytes_mha": 12 * n * heads * d})
-                    del x, grad_y
-                    for p in params.values():
-                        p.grad = None
-        except torch.cuda.OutOfMemoryError as err:
-            results.append({"context": context, "oom": str(err).splitlines()[0]})
-            for p in params.values():
-                p.grad = None
-            torch.cuda.empty_cache()
-            continue
-        results.extend(rows)
-        break
+                        peak, seconds = _peak_of(run, device)
+                        heads = sizes.stage_heads if kind == "upipe" else sizes.heads
+                        rows.append({"scope": scope, "kind": kind, "context": context, "tokens_per_rank": n, "cp": C,
+                                     "stage_heads": heads, "peak_bytes": peak,
+                                     "peak_gib": peak / 2 ** 30, "fwd_bwd_s": seconds,
+                                     # REFERENCE.md 1.1: bf16 Q/K/V + their all-to-all outputs, MHA count
+                                     "formula_bytes_mha": 12 * n * heads * d})
+                        del x, grad_y
+                        for p in params.values():
+                            p.grad = None
+            except torch.cuda.OutOfMemoryError as err:
+                results.append({"context": context, "oom": str(err).splitlines()[0]})
+                for p in params.values():
+                    p.grad = None
+                torch.cuda.empty_cache()
+                continue
+            results.extend(rows)
+            break
     cuts = {}
     for scope in ("attention_block", "layer_recompute"):
         peaks = {r["kind"]: r["peak_bytes"] for r in results if r.get("scope") == scope and "peak_bytes" in r}
         if peaks.get("ulysses") and peaks.get("upipe") is not None:
             cuts[scope] = 1 - peaks["upipe"] / peaks["ulysses"]
-    return {"kernel": kernel_name, "attention_emulation": "tools/gpu_check.py (_UPipeStage, _all_to_all)",
+    return {"kernel": kernel_name,
+            "attention": "megatron_hsap context_parallel_attention (ulysses) / head_chunked_attention (upipe), CP = 1",
             "mask": f"packed causal documents of {doc_len} tokens (memory does not depend on the mask)",
             "rows": results, "upipe_peak_cut": cuts}
 
@@ -536,11 +520,12 @@ def write_report(out_dir: str, results: dict) -> None:
                _table(sections["equivalence"]["rows"], ["kernel", "case", "heads", "out_err", "out_bf16_baseline_err",
                                                          "lse_err", "dq_err", "dq_bf16_baseline_err", "dk_err",
                                                          "dk_bf16_baseline_err", "dv_err", "dv_bf16_baseline_err",
-                                                         "pass"]), ""]
+                                                         "fallback_calls", "pass"]), ""]
     if "throughput" in sections and "rows" in sections["throughput"]:
         md += ["## 2. Attention throughput per rank (causal, TFLOP/s from mask area)", "",
                _table(sections["throughput"]["rows"], ["kernel", "length", "config", "h_q", "h_kv", "fwd_tflops",
-                                                       "bwd_tflops", "fwd_bwd_tflops", "skipped"]), "",
+                                                       "bwd_tflops", "fwd_bwd_tflops", "fallback_calls",
+                                                       "skipped"]), "",
                _table(sections["throughput"]["ratios"], ["kernel", "length", "stage_over_all_fwd_bwd"]), ""]
     if "memory" in sections and "rows" in sections["memory"]:
         md += ["## 3. Peak memory of one rank (attention block; layer with recomputation), fwd+bwd", "",

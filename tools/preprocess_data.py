@@ -46,6 +46,16 @@ def _texts(path: str, json_key: str) -> Iterator[str]:
             yield record[json_key]
 
 
+def _checked(docs: Iterator[List[int]], vocab_size: int) -> Iterator[List[int]]:
+    """The documents, with a ValueError for a token id outside ``[0, vocab_size)`` (it would be stored wrapped)."""
+    for number, doc in enumerate(docs, 1):
+        bad = [t for t in doc if not 0 <= t < vocab_size]
+        if bad:
+            raise ValueError(f"document {number} has token id {bad[0]}, outside the tokenizer's vocabulary "
+                             f"[0, {vocab_size}) (--vocab-size)")
+        yield doc
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False)
     p.add_argument("--input", required=True, help="a .jsonl file or a folder of text files")
@@ -65,7 +75,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         docs = (tokenizer.tokenize(text) + eod for text in _texts(args.input, args.json_keys))
         prefix = f"{args.output_prefix}_{args.json_keys}_document"
         os.makedirs(os.path.dirname(os.path.abspath(prefix)), exist_ok=True)
-        count = write_indexed_dataset(prefix, (d for d in docs if d), tokenizer.vocab_size)
+        count = write_indexed_dataset(prefix, _checked((d for d in docs if d), tokenizer.vocab_size),
+                                      tokenizer.vocab_size)
     except ValueError as err:
         p.error(str(err))
     print(f"wrote {count} documents to {prefix}.bin/.idx")

@@ -116,15 +116,17 @@ def check_kernel_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block
             raise ValueError(f"attention block q[{qs}:{qe}] k[{ks}:{ke}] is out of bounds for t_q={tq}, t_k={tk}")
 
 
-def merge_partial_attention(out: torch.Tensor, lse: torch.Tensor, part_out: torch.Tensor,
-                            part_lse: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Combine two softmax-normalised partial results over disjoint key sets, exactly.
+def merge_partial_attention_(out: torch.Tensor, lse: torch.Tensor, part_out: torch.Tensor,
+                             part_lse: torch.Tensor) -> torch.Tensor:
+    """Fold a softmax-normalised partial result over a disjoint key set into ``out``, exactly, in place.
 
-    out/part_out ``[t, h, d]`` (accumulated in float32 or float64), lse/part_lse ``[h, t]``.
-    Rows where one side saw no keys (lse = -inf) take the other side unchanged.
+    out ``[t, h, d]`` (the accumulator, float32 or float64) is updated in place; part_out ``[t, h, d]``
+    may be in the inputs' dtype; lse/part_lse ``[h, t]``. Returns the merged lse. Rows where one side
+    saw no keys (lse = -inf) take the other side unchanged. No temporaries of out's size.
     """
     new_lse = torch.logaddexp(lse, part_lse)
-    safe = torch.where(torch.isinf(new_lse), torch.zeros_like(new_lse), new_lse)
-    w_old = torch.exp(lse - safe).transpose(0, 1).unsqueeze(-1)
-    w_new = torch.exp(part_lse - safe).transpose(0, 1).unsqueeze(-1)
-    return out * w_old + part_out.to(out.dtype) * w_new, new_lse
+    safe = new_lse.masked_fill(torch.isinf(new_lse), 0.0)
+    w_old = (lse - safe).exp_().t().unsqueeze(-1)
+    w_new = (part_lse - safe).exp_().t().unsqueeze(-1)
+    out.mul_(w_old).addcmul_(part_out, w_new)
+    return new_lse

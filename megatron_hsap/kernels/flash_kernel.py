@@ -1,42 +1,49 @@
 """flash-attn 2 varlen kernels behind the ``AttentionKernel`` interface.
 
-Supported: flash-attn >= 2.6.0, < 3 (``pip install flash-attn``), CUDA, fp16/bf16,
-head dims that are multiples of 8 up to 256, GQA natively (h_q a multiple of
-h_kv). From 2.6.0 on the varlen functions return the log-sum-exp packed as
-``[h, total_q]``, which is this package's layout; later 2.x releases renamed the
-backward's ``window_size`` argument to ``window_size_left/right`` (the signature
-is inspected, both spellings work). Other versions raise a RuntimeError naming
-the supported range when the kernel is built.
+Supported releases: flash-attn 2.6.0 to 2.8.3 (``pip install flash-attn``), every
+release whose signatures were read from flash-attn's public source; CUDA,
+fp16/bf16, head dims that are multiples of 8 up to 256, GQA natively (h_q a
+multiple of h_kv). Since 2.6.0 the varlen functions return the log-sum-exp
+packed as ``[h, total_q]``, this package's layout.
 
 Forward uses the public ``flash_attn_varlen_func(..., return_attn_probs=True)``
-(it returns ``(out, softmax_lse, S_dmask)`` in every 2.x release). Backward uses
-``flash_attn_interface._flash_attn_varlen_backward``, which takes ``out`` and
-``softmax_lse`` as inputs: given the *final* (merged) values it yields each
-call's exact share of the gradients, the same trick ring attention relies on.
+(``(out, softmax_lse, S_dmask)``; its signature is the same from 2.6.0 to 2.8.3).
+Backward uses ``flash_attn_interface._flash_attn_varlen_backward``, which takes
+``out`` and ``softmax_lse`` as inputs: given the *final* (merged) values it
+yields each call's exact share of the gradients, the trick ring attention relies
+on. That private function drifted: 2.6.x takes ``window_size=(l, r)`` and returns
+``(dq, dk, dv, softmax_d)``; 2.7.0 split it into ``window_size_left/right``,
+wrapped it in a ``torch.library.custom_op`` (``torch.ops.flash_attn``; the
+module attribute keeps the Python function in ``_init_fn``) and returns only
+``softmax_d``; 2.7.4 added ``zero_tensors=False``. The keyword arguments are
+built from the installed signature and dq/dk/dv are the buffers passed in (filled
+in place by every release), so all of these work. A release below 2.6.0 or from
+3 on, or one with a parameter not reviewed here, raises a RuntimeError naming it
+when the kernel is built (``gpu_common.accepted_keywords``); the transcribed
+signatures the tests check against are ``tests/library_signatures.py``.
 Blocks are turned into varlen passes by ``gpu_common.VarlenPassKernel``.
 """
 
 from __future__ import annotations
 
-import inspect
-from typing import Callable, Tuple
+from typing import Tuple
 
 import torch
 
 from megatron_hsap.kernels.base import AttentionBlocks
-from megatron_hsap.kernels.gpu_common import VarlenPass, VarlenPassKernel, version_tuple
+from megatron_hsap.kernels.gpu_common import VarlenPass, VarlenPassKernel, accepted_keywords, version_tuple
 
 MIN_VERSION = (2, 6, 0)
 MAX_VERSION_EXCLUSIVE = (3, 0, 0)
+NEWEST_VERIFIED = (2, 8, 3)  # the newest release whose signatures were read (tests/library_signatures.py)
 
-
-def _takes_argument(fn: Callable, name: str) -> bool:
-    """Whether ``fn`` (a function or a ``torch.library.custom_op``, which keeps it in ``_init_fn``) has ``name``."""
-    target = getattr(fn, "_init_fn", fn)
-    try:
-        return name in inspect.signature(target).parameters
-    except (TypeError, ValueError):
-        return False
+FWD_PASSED = ("q", "k", "v", "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k", "dropout_p",
+              "softmax_scale", "causal", "return_attn_probs")
+FWD_DEFAULTS_OK = ("window_size", "softcap", "alibi_slopes", "deterministic", "block_table")
+BWD_PASSED = ("dout", "q", "k", "v", "out", "softmax_lse", "dq", "dk", "dv", "cu_seqlens_q", "cu_seqlens_k",
+              "max_seqlen_q", "max_seqlen_k", "dropout_p", "softmax_scale", "causal", "window_size",
+              "window_size_left", "window_size_right", "softcap", "alibi_slopes", "deterministic", "rng_state")
+BWD_DEFAULTS_OK = ("zero_tensors",)
 
 
 class FlashAttentionKernel(VarlenPassKernel):
@@ -50,16 +57,21 @@ class FlashAttentionKernel(VarlenPassKernel):
         import flash_attn
         from flash_attn import flash_attn_interface
 
+        label = f"flash-attn {getattr(flash_attn, '__version__', '?')}"
         version = version_tuple(getattr(flash_attn, "__version__", "0"))
+        hint = (f"install flash-attn>=2.6.0,<3 (signatures verified up to {'.'.join(map(str, NEWEST_VERIFIED))}) "
+                "or use kernel='te' or 'torch'")
         if not MIN_VERSION <= version < MAX_VERSION_EXCLUSIVE:
-            raise RuntimeError(f"flash-attn {flash_attn.__version__} is not supported by megatron_hsap's 'flash' "
-                               "kernel; install flash-attn>=2.6.0,<3 or use kernel='te' or 'torch'")
+            raise RuntimeError(f"{label} is not supported by megatron_hsap's 'flash' kernel; {hint}")
         self._varlen_func = flash_attn_interface.flash_attn_varlen_func
         self._varlen_backward = flash_attn_interface._flash_attn_varlen_backward
-        # Later 2.x releases split the sliding-window argument of the low-level backward in two.
-        self._no_window = ({"window_size_left": -1, "window_size_right": -1}
-                           if _takes_argument(self._varlen_backward, "window_size_left")
-                           else {"window_size": (-1, -1)})
+        try:
+            self._fwd_keywords = accepted_keywords(self._varlen_func, FWD_PASSED, FWD_DEFAULTS_OK,
+                                                   f"{label} flash_attn_varlen_func")
+            self._bwd_keywords = accepted_keywords(self._varlen_backward, BWD_PASSED, BWD_DEFAULTS_OK,
+                                                   f"{label} _flash_attn_varlen_backward")
+        except RuntimeError as err:
+            raise RuntimeError(f"{err}; {hint}") from None
 
     @classmethod
     def check_inputs(cls, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, blocks: AttentionBlocks) -> None:
@@ -70,10 +82,11 @@ class FlashAttentionKernel(VarlenPassKernel):
     def _pass_forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: VarlenPass,
                       softmax_scale: float) -> Tuple[torch.Tensor, torch.Tensor]:
         cu_q, cu_k = p.device_cu_seqlens(q.device)
+        values = dict(q=q, k=k, v=v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=p.max_seqlen_q,
+                      max_seqlen_k=p.max_seqlen_k, dropout_p=0.0, softmax_scale=softmax_scale, causal=p.causal,
+                      return_attn_probs=True)
         with torch.no_grad():
-            out, lse, _ = self._varlen_func(q, k, v, cu_q, cu_k, p.max_seqlen_q, p.max_seqlen_k, dropout_p=0.0,
-                                            softmax_scale=softmax_scale, causal=p.causal,
-                                            return_attn_probs=True)
+            out, lse, _ = self._varlen_func(**{n: values[n] for n in self._fwd_keywords})
         if lse.dim() != 2:
             raise RuntimeError(f"flash-attn returned softmax_lse of shape {tuple(lse.shape)}; expected the packed "
                                "[h, total_q] layout of flash-attn>=2.6.0")
@@ -84,7 +97,9 @@ class FlashAttentionKernel(VarlenPassKernel):
                        softmax_scale: float) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         cu_q, cu_k = p.device_cu_seqlens(q.device)
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-        self._varlen_backward(dout, q, k, v, out, lse, dq, dk, dv, cu_q, cu_k, p.max_seqlen_q, p.max_seqlen_k,
-                              0.0, softmax_scale, p.causal, softcap=0.0, alibi_slopes=None, deterministic=False,
-                              rng_state=None, **self._no_window)
+        values = dict(dout=dout, q=q, k=k, v=v, out=out, softmax_lse=lse, dq=dq, dk=dk, dv=dv, cu_seqlens_q=cu_q,
+                      cu_seqlens_k=cu_k, max_seqlen_q=p.max_seqlen_q, max_seqlen_k=p.max_seqlen_k, dropout_p=0.0,
+                      softmax_scale=softmax_scale, causal=p.causal, window_size=(-1, -1), window_size_left=-1,
+                      window_size_right=-1, softcap=0.0, alibi_slopes=None, deterministic=False, rng_state=None)
+        self._varlen_backward(**{n: values[n] for n in self._bwd_keywords})
         return dq, dk, dv

@@ -19,19 +19,27 @@ rows; key ranges may repeat across blocks), so one kernel call becomes several
 
 Subclasses provide only the per-pass library calls (``_pass_forward`` and
 ``_pass_backward``) and the head-dim limits of their library.
+
+Also here, for both libraries: the index tensors the passes need on the device
+(cu_seqlens, gathered row indices) come from ``device_cache.cached_device_index``
+(one byte-bounded LRU cache per process), and ``accepted_keywords``, which builds a library call's keyword
+arguments from the installed signature and refuses parameters not reviewed.
 """
 
 from __future__ import annotations
 
 import heapq
 import importlib
+import inspect
+import logging
 import re
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import List, Optional, Tuple
+from typing import Callable, Collection, Dict, Hashable, List, Optional, Tuple
 
 import torch
 
+from megatron_hsap.device_cache import cached_device_index
 from megatron_hsap.kernels.base import AttentionBlocks, check_kernel_inputs
 
 Segment = Tuple[int, int]
@@ -100,21 +108,54 @@ def _span(segments: Tuple[Segment, ...]) -> Optional[Segment]:
     return segments[0][0], segments[-1][1]
 
 
-def _to_device(x: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """Host-built index data to ``device`` without blocking the host (pinned staging on CUDA)."""
-    if device.type == "cuda":
-        x = x.pin_memory()
-    return x.to(device, non_blocking=True)
-
-
-@lru_cache(maxsize=1024)
 def _int32_tensor(values: Tuple[int, ...], device: torch.device) -> torch.Tensor:
-    return _to_device(torch.tensor(values, dtype=torch.int32), device)
+    return cached_device_index(("int32", values), device, lambda: torch.tensor(values, dtype=torch.int32))
 
 
-@lru_cache(maxsize=1024)
 def _row_index(segments: Tuple[Segment, ...], device: torch.device) -> torch.Tensor:
-    return _to_device(torch.cat([torch.arange(s, e, dtype=torch.int64) for s, e in segments]), device)
+    return cached_device_index(("rows", segments), device,
+                               lambda: torch.cat([torch.arange(s, e, dtype=torch.int64) for s, e in segments]))
+
+
+def signature_parameters(fn: Callable) -> Dict[str, inspect.Parameter]:
+    """Parameters of ``fn`` as installed; a ``torch.library.custom_op`` (flash-attn >= 2.7 wraps its
+    low-level functions in one) exposes only ``(*args, **kwargs)`` and keeps the function in ``_init_fn``."""
+    return dict(inspect.signature(getattr(fn, "_init_fn", fn)).parameters)
+
+
+def accepted_keywords(fn: Callable, passed: Collection[str], defaults_ok: Collection[str], what: str) -> frozenset:
+    """Which of the ``passed`` keywords the installed ``fn`` takes, after checking its whole signature.
+
+    Every parameter of ``fn`` must be one this package passes or one it has reviewed and leaves at its
+    default (``defaults_ok``, and the installed function must give it a default). Anything else is a
+    release this package has not been checked against: a RuntimeError naming the parameters, raised
+    when the kernel is built, so a changed default (as TE 2.15's ``o_format``) never runs silently.
+    """
+    params = signature_parameters(fn)
+    problems = [name for name, p in params.items()
+                if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD) and name not in passed
+                and not (name in defaults_ok and p.default is not p.empty)]
+    if any(p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in params.values()):
+        problems.append("*args/**kwargs")
+    if problems:
+        raise RuntimeError(f"{what}: parameters {problems} are new to megatron_hsap (not verified against "
+                           "this release's signature)")
+    return frozenset(name for name in passed if name in params)
+
+
+_ANNOUNCED: set = set()
+
+
+def warn_once_on_rank0(log: logging.Logger, message: str, key: Optional[Hashable] = None) -> None:
+    """Log ``message`` as a warning once per process and ``key`` (default: the message), on global rank 0
+    only (or when not distributed)."""
+    key = message if key is None else key
+    if key in _ANNOUNCED:
+        return
+    _ANNOUNCED.add(key)
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()) \
+            or torch.distributed.get_rank() == 0:
+        log.warning(message)
 
 
 def normalized_blocks(blocks: AttentionBlocks) -> List[Tuple[int, int, int, int, bool]]:

@@ -19,7 +19,9 @@ equals the attention of one query against ~26.6K keys.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+from typing import Sequence
 
 
 def _check_positive(name: str, value: int) -> None:
@@ -104,3 +106,38 @@ class CostModel:
     def flops(self, area: int, tokens: int) -> int:
         """Forward FLOPs of a rank (or member) holding ``tokens`` tokens whose queries cover ``area`` pairs."""
         return self.pair_flops * area + self.token_flops * tokens
+
+
+def _rows_for_area(area: float) -> int:
+    """Smallest ``h`` with ``causal_area(0, h) >= area``: the fewest leading key rows carrying that much area."""
+    if area <= 0:
+        return 0
+    h = max(0, int(math.isqrt(int(2 * area))) - 1)
+    while causal_area(0, h) < area:
+        h += 1
+    return h
+
+
+def inter_node_rows_lower_bound(doc_lengths: Sequence[int], num_nodes: int, imbalance: float = 1.0) -> int:
+    """Key/value rows that must cross nodes in any placement whose nodes each hold at most ``imbalance`` times
+    the mean causal attention area (capacity-free: token counts are ignored, so it bounds every layout).
+
+    A split document moves, summed over every holder but the one with its last token, that holder's last
+    position + 1 (its horizon). Sort those holders by horizon: the first j of them hold only positions below
+    the j-th horizon, so at most its causal prefix area. The holder of the last token keeps at most the
+    node cap ``A``, each other holder too, so the k-th largest horizon carries at least ``area - k * A``:
+    the document moves at least ``sum_k rows_for(area - k * A)`` rows (k = 1, 2, ... while positive).
+    """
+    if not isinstance(num_nodes, int) or isinstance(num_nodes, bool) or num_nodes < 1:
+        raise ValueError(f"num_nodes={num_nodes!r} must be a positive int")
+    if not imbalance >= 1.0:
+        raise ValueError(f"imbalance={imbalance!r} must be >= 1.0")
+    areas = [causal_area(0, n) for n in doc_lengths]
+    cap = imbalance * sum(areas) / num_nodes
+    rows = 0
+    for area in areas:
+        k = 1
+        while area - k * cap > 0:
+            rows += _rows_for_area(area - k * cap)
+            k += 1
+    return rows

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import math
 import os
 import random
 import sysconfig
@@ -44,6 +45,24 @@ def sample_doc_lengths(total_tokens: int, seed: int = 0, max_doc_len: Optional[i
         if max_doc_len is not None:
             n = min(n, max_doc_len)
         n = min(n, remaining)
+        lengths.append(n)
+        remaining -= n
+    return lengths
+
+
+def lognormal_doc_lengths(total_tokens: int, seed: int = 0, median: int = 3000, sigma: float = 1.5) -> List[int]:
+    """Document lengths that pack exactly ``total_tokens`` tokens, log-normally distributed (``median``, ``sigma``
+    of the log); the last document is cut so the lengths sum to ``total_tokens``."""
+    if total_tokens < 0:
+        raise ValueError(f"total_tokens={total_tokens} must be >= 0")
+    if median < 1 or not sigma > 0:
+        raise ValueError(f"median={median} must be >= 1 and sigma={sigma} > 0")
+    rng = random.Random(seed)
+    mu = math.log(median)
+    lengths: List[int] = []
+    remaining = total_tokens
+    while remaining > 0:
+        n = min(max(1, int(rng.lognormvariate(mu, sigma))), remaining)
         lengths.append(n)
         remaining -= n
     return lengths

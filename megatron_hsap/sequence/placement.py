@@ -3,126 +3,133 @@
 Inside a ring member (one Ulysses group) the all-to-all gathers all of the member's
 tokens for each head group, so only a member's total cost matters; between members
 (and above all between nodes) every split document costs key/value traffic. The
-placement therefore works top-down on the hierarchy -- nodes, then the members of
-each node -- with the same cost-balancing partition at each level, and finally cuts
-each member's token stream into equal contiguous parts for its Ulysses ranks.
+placement is a recursive bisection over the hierarchy -- halves of the nodes, down to
+single nodes, then halves of each node's members, down to single members -- followed by
+cutting each member's token stream into equal contiguous parts for its Ulysses ranks.
+docs/sequence_aware.md has the full argument; in short, one bisection:
 
-The partition of one level (docs/sequence_aware.md has the full argument):
-
-1. Every bin (node or member) has an exact token capacity (only the last ones hold
-   tail padding) and an attention target that makes its cost (causal mask area +
-   ``CostModel.linear_weight`` per token) equal to every other bin's: full bins get
-   equal areas, a padded bin a little more.
-2. Items (whole documents, or at the member level the node's pieces) are taken in
-   decreasing area. A bin's *deficit* is its target minus its area minus what its
-   remaining room will cost when filled at the density of the light items (each under
-   1 % of a bin's target) not placed yet; an item's *excess* is its area minus that
-   density times its length. An item denser than the filler goes to the bin with the
-   largest deficit, a sparser one to the smallest; within a small band of that choice,
-   to the fullest bin (best fit, so the last short documents fill the rooms exactly).
-3. When the excess overshoots the chosen bin's deficit by more than the tolerance, the
-   item is cut: a piece that exactly fills the deficit is peeled off -- the tail (dense,
-   few tokens) when the bin takes at least half of the item's excess, the head
-   otherwise, so the bin holding the tail needs as few earlier keys as possible -- and
-   the rest is placed the same way. Documents are cut only where the cost requires it,
-   into few contiguous pieces.
-4. A heavy item longer than every room is either peeled or dealt in zigzag pairs
-   (TE-style: 2k chunks, bin j keeps chunks j and 2k-1-j) over k bins; every option is
-   tried with the heavy items still to come and the one leaving the least irreparable
-   imbalance wins. Zigzag pairs balance a document that spans everything exactly.
-5. A light item that fits no room fills the largest room and the rest goes on; at the
-   end such cuts are undone where a whole item of the same length can be swapped in.
+1. Both sides have an exact token capacity (only the last bins hold tail padding) and
+   an attention target (equal cost per bin, ``_attention_targets``).
+2. Items (documents, or pieces of documents at lower levels) are taken by decreasing
+   density (area per token; for whole documents, by decreasing length). The items not
+   placed yet are then always the sparsest ones, so the least and the largest area that
+   ``r`` more tokens of a side can still receive are prefix sums (``_Pool``): a side is
+   *feasible* while its missing area lies between them.
+3. A heavy item goes whole to a side that stays feasible (the one needing the denser
+   filling). If neither does, it is cut: one side takes its tail ``[x, L)`` with the
+   smallest ``x`` that keeps that side feasible, the other side the head ``[0, x)``.
+   The head's holder is the only one needing the other's keys, exactly ``x`` rows
+   (the horizon formula: a split document moves, over all holders but the one holding
+   its last token, the sum of their last position + 1), so the smallest ``x`` is the
+   cheapest cut.
+4. The light items (each a small part of a side's area) are dealt as one window of the
+   density order: the left side takes a run of whole items whose area matches its
+   missing area, and the token gap left at the end of the run is closed with the
+   shortest items (a light item is cut only when no combination of short ones fits).
 """
 
 from __future__ import annotations
 
+import bisect
+import math
 from typing import List, Optional, Sequence, Tuple
 
 from megatron_hsap.sequence.cost_model import CostModel, causal_area
+from megatron_hsap.sequence.layouts import Segment, split_member_stream
 
 __all__ = ["sequence_aware_placement"]
 
-Segment = Tuple[int, int, int]  # (doc_index, doc_start, doc_end)
 Ranges = Tuple[Tuple[int, int], ...]  # disjoint, increasing in-document ranges of one document
 
-# A document is cut only when the best bin would overshoot its attention target by more than this fraction
-# of the mean target.
-_TOLERANCE = 0.005
-# Items whose area is at least this fraction of a bin's target are placed by deficit, the rest is filler.
-_HEAVY = 0.01
+# Items whose area is above this fraction of the smaller side's target are placed one by one (step 3);
+# the others are dealt as a window (step 4), whose area error is at most about one such item.
+_HEAVY = 0.001
+# Between nodes, a heavy item of at most this fraction of the smaller side's tokens is never cut: when it fits
+# neither side whole it joins the light items, whose phase fills rooms exactly by choosing and exchanging items.
+_SHORT = 0.02
+# ... and neither is a document of at most this many tokens (whose cut would buy nearly no balance).
+_SHORT_TOKENS = 64
+# The shortest items holding this fraction of a bisection's tokens are shared in proportion to the sides' rooms.
+_TINY = 0.02
+# Items considered (shortest first) when exchanging a few to close a token gap exactly.
+_EXCHANGE = 48
+# A side may miss its attention target by this fraction (the rest of the hierarchy adds its own error).
+_SLACK = 0.001
 
 
 class _Item:
     """Some tokens of one document (``ranges``, increasing), seen as one stream of ``length`` tokens."""
 
-    __slots__ = ("doc", "ranges", "length", "area")
+    __slots__ = ("doc", "ranges", "length", "area", "_offsets", "_areas")
 
     def __init__(self, doc: int, ranges: Ranges) -> None:
         self.doc = doc
         self.ranges = ranges
-        self.length = sum(e - s for s, e in ranges)
-        self.area = sum(causal_area(s, e) for s, e in ranges)
+        if len(ranges) == 1:
+            s, e = ranges[0]
+            self.length, self.area = e - s, causal_area(s, e)
+            self._offsets = None
+        else:
+            offsets, areas = [0], [0]
+            for s, e in ranges:
+                offsets.append(offsets[-1] + e - s)
+                areas.append(areas[-1] + causal_area(s, e))
+            self.length, self.area = offsets[-1], areas[-1]
+            self._offsets, self._areas = offsets, areas
 
     def area_before(self, offset: int) -> int:
         """Causal area of the first ``offset`` tokens of the stream."""
-        area = 0
-        for s, e in self.ranges:
-            if offset <= 0:
-                break
-            take = min(e - s, offset)
-            area += causal_area(s, s + take)
-            offset -= take
-        return area
+        if self._offsets is None:
+            s = self.ranges[0][0]
+            return causal_area(s, s + min(max(offset, 0), self.length))
+        offset = min(max(offset, 0), self.length)
+        j = bisect.bisect_right(self._offsets, offset) - 1
+        if j >= len(self.ranges):
+            return self.area
+        s = self.ranges[j][0]
+        return self._areas[j] + causal_area(s, s + offset - self._offsets[j])
 
-    def sub(self, lo: int, hi: int) -> Ranges:
-        """Ranges of stream offsets ``[lo, hi)``."""
+    def sub(self, lo: int, hi: int) -> "_Item":
+        """The item made of stream offsets ``[lo, hi)``."""
         out, pos = [], 0
         for s, e in self.ranges:
             a, b = max(lo, pos), min(hi, pos + e - s)
             if b > a:
                 out.append((s + a - pos, s + b - pos))
             pos += e - s
-        return tuple(out)
+        return _Item(self.doc, tuple(out))
 
 
-class _Bins:
-    """Token capacity, cost target and content of the bins (nodes or members) of one level."""
+class _Pool:
+    """Items sorted by decreasing density; the unplaced ones are always a suffix ``items[i:]``.
 
-    def __init__(self, caps: Sequence[int], total_area: int, weight: float, max_density: int, spread: bool) -> None:
-        self.room = list(caps)
-        self.area = [0] * len(caps)
-        self.target = _attention_targets(caps, total_area, weight, max_density)
-        mean = total_area / max(1, sum(1 for c in caps if c > 0))
-        self.tol = _TOLERANCE * mean  # overshoot allowed before a document is cut
-        self.items: List[List[_Item]] = [[] for _ in caps]
-        self.heavy = _HEAVY * mean
-        self.pack_only = False  # set while the items left are too light to matter for cost
-        self.spread = spread  # see _partition
+    ``least(i, r)`` / ``most(i, r)``: the smallest / largest area that ``r`` tokens taken from
+    ``items[i:]`` can carry (items cut where needed, at their mean density): prefix sums and a bisection.
+    """
 
-    def copy(self) -> "_Bins":
-        other = object.__new__(_Bins)
-        other.adopt(self)
-        return other
+    def __init__(self, items: List[_Item]) -> None:
+        self.items = items
+        self.tokens, self.areas = [0], [0]
+        for it in items:
+            self.tokens.append(self.tokens[-1] + it.length)
+            self.areas.append(self.areas[-1] + it.area)
 
-    def adopt(self, other: "_Bins") -> None:
-        self.room, self.area, self.target, self.tol = list(other.room), list(other.area), other.target, other.tol
-        self.items, self.heavy, self.pack_only = [list(i) for i in other.items], other.heavy, other.pack_only
-        self.spread = other.spread
+    def size(self, i: int) -> int:
+        return self.tokens[-1] - self.tokens[i]
 
-    def error(self, rho: float) -> float:
-        """Largest imbalance that later items cannot repair: a projected excess over target (remaining room
-        filled at density rho), or a shortfall of a bin that is already full."""
-        deficits = [self.deficit(b, rho) for b in range(len(self.room))]
-        return max(-d if room else abs(d) for d, room in zip(deficits, self.room))
+    def _area_upto(self, position: int) -> float:
+        """Area of the first ``position`` tokens of the whole density order."""
+        j = bisect.bisect_right(self.tokens, position) - 1
+        if j >= len(self.items):
+            return float(self.areas[-1])
+        it = self.items[j]
+        return self.areas[j] + (position - self.tokens[j]) * it.area / it.length
 
-    def deficit(self, b: int, rho: float) -> float:
-        return self.target[b] - self.area[b] - rho * self.room[b]
+    def most(self, i: int, r: int) -> float:
+        return self._area_upto(self.tokens[i] + r) - self.areas[i]
 
-    def put(self, b: int, item: _Item) -> None:
-        if item.length:
-            self.items[b].append(item)
-            self.room[b] -= item.length
-            self.area[b] += item.area
+    def least(self, i: int, r: int) -> float:
+        return self.areas[-1] - self._area_upto(self.tokens[-1] - r)
 
 
 def _attention_targets(caps: Sequence[int], total_area: int, weight: float, max_density: int) -> List[float]:
@@ -141,193 +148,311 @@ def _attention_targets(caps: Sequence[int], total_area: int, weight: float, max_
     return fill(hi)
 
 
-def _excess(area: float, length: int, rho: float) -> float:
-    """Cost beyond what the same number of average tokens would cost (the linear term cancels)."""
-    return area - rho * length
+def _horizon_for(item: _Item, tau: int, area: float) -> Optional[int]:
+    """Smallest stream offset ``x`` such that the ``tau`` tokens ending at ``x`` carry at least ``area``."""
+    n = item.length
+    if tau == 0:
+        return 0 if area <= 0 else None
+    if item.area_before(n) - item.area_before(n - tau) < area:
+        return None
+    if len(item.ranges) == 1:  # closed form: tau * (2 * (s + x) - tau + 1) / 2 >= area
+        s = item.ranges[0][0]
+        x = max(tau, math.ceil(area / tau + (tau - 1) / 2) - s)
+        while x > tau and causal_area(s + x - 1 - tau, s + x - 1) >= area:
+            x -= 1
+        while causal_area(s + x - tau, s + x) < area:
+            x += 1
+        return x
+    lo, hi = tau, n
+    while lo < hi:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if item.area_before(mid) - item.area_before(mid - tau) >= area else (mid + 1, hi)
+    return lo
 
 
-def _peel(item: _Item, budget: float, room: int, rho: float, tail: bool) -> Tuple[int, int]:
-    """Stream offsets ``[lo, hi)`` of the largest tail (or head) piece of ``item`` within ``room`` tokens
-    whose excess does not exceed ``budget`` (binary search; excess is monotone where density > rho)."""
-    n, total = item.length, item.area
-    if tail:
-        lo, hi = max(0, n - room), n  # find the smallest start x with excess(tail from x) <= budget
+def _piece_start(item: _Item, tau: int, area: float, horizon: int) -> int:
+    """Smallest start ``p <= horizon - tau`` whose piece ``[p, p + tau)`` carries at least ``area`` (a piece's
+    area grows with its start; rounding to whole tokens errs by at most one token's density)."""
+    lo, hi = 0, max(0, horizon - tau)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if item.area_before(mid + tau) - item.area_before(mid) >= area else (mid + 1, hi)
+    return lo
 
-        def ok(x: int) -> bool:
-            return _excess(total - item.area_before(x), n - x, rho) <= budget
 
-        if ok(lo):
-            return lo, n
+def _density_order(item: _Item) -> tuple:
+    """Sort key: decreasing density (area per token, on an integer scale: deterministic), then document."""
+    return (-item.area * (1 << 20) // item.length, item.doc, item.ranges)
+
+
+class _Bisection:
+    """Two sides (0 = left, 1 = right) filled from one pool; see the module docstring."""
+
+    def __init__(self, items: List[_Item], rooms: Tuple[int, int], targets: Tuple[float, float]) -> None:
+        self.pool = _Pool(sorted(items, key=_density_order))
+        self.room = list(rooms)
+        self.missing = [float(t) for t in targets]
+        self.out: List[List[_Item]] = [[], []]
+        # A side may end this far from its target: documents are not cut for a smaller gain.
+        self.slack = _SLACK * min(targets) + 1e-5 * (sum(targets) + 1.0)
+
+    def feasible(self, side: int, i: int, tokens: int, area: float) -> bool:
+        """Whether ``side`` can still meet its target after taking (tokens, area), filled from ``items[i:]``."""
+        r = self.room[side] - tokens
+        if r < 0 or r > self.pool.size(i):
+            return False
+        need = self.missing[side] - area
+        return self.pool.least(i, r) - self.slack <= need <= self.pool.most(i, r) + self.slack
+
+    def put(self, side: int, item: _Item) -> None:
+        if item.length:
+            self.out[side].append(item)
+            self.room[side] -= item.length
+            self.missing[side] -= item.area
+
+    def place_heavy(self, i: int, short: int) -> bool:
+        """Place heavy item ``i`` whole or cut; False (nothing placed) when it would be cut but has at most
+        ``short`` tokens: such items are left to the light phase, which fills rooms without cutting."""
+        item = self.pool.items[i]
+        whole = [s for s in (0, 1) if self.feasible(s, i + 1, item.length, item.area)]
+        if whole:
+            # The densest item left goes to the side whose remaining room needs the denser filling.
+            side = max(whole, key=lambda s: (self.missing[s] / self.room[s] if self.room[s] else 0.0, -s))
+            self.put(side, item)
+            return True
+        if item.length <= short:
+            return False
+        best = None
+        for holder in (0, 1):  # the side that will not hold the item's last token
+            cut = self._cheapest_cut(holder, i + 1, item)
+            if cut is not None and (best is None or cut[0] < best[0]):
+                best = cut + (holder,)
+        if best is None:  # numerically at the edge: the side lacking more area takes the longest tail it has room for
+            side = max((0, 1), key=lambda s: (self.missing[s] - self.pool.least(i + 1, self.room[s]), -s))
+            x = max(0, item.length - self.room[side])
+            best = (x, x, 0, 1 - side)
+        horizon, tau, area, holder = best
+        p = _piece_start(item, tau, area, horizon)
+        self.put(holder, item.sub(p, p + tau))
+        self.put(1 - holder, item.sub(0, p))
+        self.put(1 - holder, item.sub(p + tau, item.length))
+        return True
+
+    def _cheapest_cut(self, holder: int, i: int, item: _Item) -> Optional[Tuple[int, int, float]]:
+        """Cut of ``item`` giving ``holder`` a piece ``[p, p + tau)`` and the other side the rest (with the last
+        token), feasible for both sides, with the smallest horizon ``p + tau`` (= key/value rows moved).
+        Returns (horizon, tau, area of the piece) or None.
+
+        For a given ``tau`` the piece's area can be anything between its head ``[0, tau)`` and the ``tau``
+        tokens ending at the horizon, so the horizon needed is the smallest one whose densest piece reaches
+        the least area that keeps ``holder`` feasible (prefix division). The horizon is not monotone in
+        ``tau``: a coarse scan and two refinements.
+        """
+        n, other = item.length, 1 - holder
+        lo = max(0, n - self.room[other], self.room[holder] - self.pool.size(i))
+        hi = min(n, self.room[holder])
+        if lo > hi:
+            return None
+
+        def horizon(tau: int) -> Optional[Tuple[int, int, float]]:
+            r = self.room[holder] - tau
+            least = float(item.area_before(tau))
+            if least > self.missing[holder] - self.pool.least(i, r) + self.slack:
+                return None
+            need = max(least, self.missing[holder] - self.pool.most(i, r))
+            x = _horizon_for(item, tau, need)
+            return None if x is None else (x, tau, need)
+
+        best = None
+        left, right = lo, hi
+        for _ in range(3):
+            step = max(1, (right - left) // 8)
+            taus = list(range(left, right + 1, step)) + [right]
+            for tau in taus:
+                found = horizon(tau)
+                if found is not None and (best is None or found < best):
+                    best = found
+            if best is None or step == 1:
+                break
+            left, right = max(lo, best[1] - step), min(hi, best[1] + step)
+        return best
+
+    def place_light(self, i: int) -> None:
+        """Deal ``items[i:]``: the left side takes a run of whole items matching its missing area (step 4)."""
+        pool, room = self.pool, self.room[0]
+        items = pool.items
+        n = len(items)
+        if room == 0 or i == n:
+            for it in items[i:]:
+                self.put(1, it)
+            return
+        if room >= pool.size(i):
+            for it in items[i:]:
+                self.put(0, it)
+            return
+        taken = [False] * n
+        # The shortest items (2 % of the tokens) are shared in proportion to the rooms: both sides keep short
+        # documents for filling their bins exactly at the next level.
+        total, tiny, t = pool.size(i), 0, n
+        while t > i + 1 and tiny + items[t - 1].length <= _TINY * total:
+            t -= 1
+            tiny += items[t].length
+        shares = [0, 0]
+        for m in range(n - 1, t - 1, -1):
+            side = 0 if shares[0] * self.room[1] <= shares[1] * room and shares[0] + items[m].length <= room else 1
+            shares[side] += items[m].length
+            taken[m] = side == 0
+        gap = room - shares[0]
+        target = self.missing[0] - sum(items[m].area for m in range(t, n) if taken[m])
+        # Start of the run over items[i:t]: the window of `gap` tokens starting at item j has an area decreasing in j.
+        last = bisect.bisect_right(pool.tokens, pool.tokens[t] - gap) - 1  # latest start with `gap` tokens before t
+        last = max(i, min(last, t - 1))
+
+        def window(j: int) -> float:
+            return pool.most(j, min(gap, pool.tokens[t] - pool.tokens[j]))
+
+        lo, hi = i, last
         while hi - lo > 1:
             mid = (lo + hi) // 2
-            lo, hi = (lo, mid) if ok(mid) else (mid, hi)
-        return hi, n
-    lo, hi = 0, min(n, room)  # find the largest end y with excess(head up to y) <= budget
-
-    def ok_head(y: int) -> bool:
-        return _excess(item.area_before(y), y, rho) <= budget
-
-    if ok_head(hi):
-        return 0, hi
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        lo, hi = (mid, hi) if ok_head(mid) else (lo, mid)
-    return 0, lo
-
-
-def _zigzag(item: _Item, bins: _Bins, rho: float, k: int) -> bool:
-    """Deal ``item`` in zigzag chunk pairs over the ``k`` bins with the largest deficits (False if they lack room)."""
-    chosen = sorted((b for b in range(len(bins.room)) if bins.room[b] > 0),
-                    key=lambda b: (-bins.deficit(b, rho), b))[:k]
-    n = item.length
-    if len(chosen) < k or min(bins.room[b] for b in chosen) < -(-n // k):
-        return False
-    shares = [n // k + (1 if j < n % k else 0) for j in range(k)]
-    head, tail_end = 0, n
-    for j, (b, share) in enumerate(zip(chosen, shares)):
-        h = share // 2 if j % 2 == 0 else share - share // 2  # alternate the odd token: no drift of the middle
-        t = share - h
-        bins.put(b, _Item(item.doc, item.sub(head, head + h) + item.sub(tail_end - t, tail_end)))
-        head, tail_end = head + h, tail_end - t
-    return True
-
-
-def _partition(items: List[_Item], caps: Sequence[int], weight: float, spread: bool) -> List[List[_Item]]:
-    """Assign ``items`` (cut where needed) to bins of exact token capacities ``caps``, balancing cost.
-
-    spread: the bins are nodes that will be partitioned again, so short documents are spread over them
-    (each node keeps some to fill its members exactly) rather than packed best-fit.
-    """
-    if len(caps) == 1:
-        return [items]
-    items = sorted(items, key=lambda it: (-it.area, -it.length, it.doc, it.ranges))
-    bins = _Bins(caps, sum(it.area for it in items), weight, max((it.ranges[-1][1] for it in items), default=0),
-                 spread)
-    # rho[i]: area per token of the light items after item i (each under _HEAVY of a bin's target) -- what the
-    # remaining room will be filled with. Heavy items are placed explicitly by deficit; counting them in the
-    # filler would make every bin look fuller than it will be.
-    # tail_area[i]: area of items i, i+1, ...: once it is within the tolerance, cost no longer matters and
-    # the remaining items are packed best-fit only.
-    rho, tail_area = [0.0] * len(items), [0] * len(items)
-    area_after = tokens_after = total_after = 0
-    for i in range(len(items) - 1, -1, -1):
-        rho[i] = area_after / tokens_after if tokens_after else 0.0
-        total_after += items[i].area
-        tail_area[i] = total_after
-        if items[i].area < bins.heavy:
-            area_after += items[i].area
-            tokens_after += items[i].length
-    num_heavy = sum(1 for it in items if it.area >= bins.heavy)  # a prefix: items are sorted by area
-    for i, item in enumerate(items):
-        bins.pack_only = tail_area[i] <= bins.tol
-        _place(item, bins, rho[i], items[i + 1:num_heavy])
-    _mend_light_cuts(bins)
-    return bins.items
-
-
-def _mend_light_cuts(bins: _Bins) -> None:
-    """Undo cuts of light documents that only filled leftover room: in one of the bins holding a piece, find
-    whole light items as long as each of the other pieces and swap them (token counts stay exact)."""
-    where: dict = {}
-    for b, bin_items in enumerate(bins.items):
-        for it in bin_items:
-            where.setdefault(it.doc, []).append((b, it))
-    for doc in sorted(where):
-        pieces = where[doc]
-        if len(pieces) < 2 or sum(it.area for _, it in pieces) >= bins.heavy:
-            continue
-        for home, _ in sorted(pieces, key=lambda p: (-p[1].length, p[0])):
-            swaps, used = [], set()
-            for b, piece in pieces:
-                if b == home:
-                    continue
-                swap = next((x for x in bins.items[home] if id(x) not in used and x.length == piece.length
-                             and x.area < bins.heavy and len(where[x.doc]) == 1), None)
-                if swap is None:
-                    break
-                used.add(id(swap))
-                swaps.append((b, piece, swap))
+            lo, hi = (mid, hi) if window(mid) >= target else (lo, mid)
+        j = lo if abs(window(lo) - target) <= abs(window(hi) - target) else hi
+        k = j
+        while k < t and items[k].length <= gap:
+            taken[k] = True
+            gap -= items[k].length
+            k += 1
+        if gap:  # close the gap with the longest items left that fit (the run may have used the shortest)
+            for m in sorted((m for m in range(i, n) if not taken[m]), key=lambda m: (-items[m].length, m)):
+                if items[m].length <= gap:
+                    taken[m] = True
+                    gap -= items[m].length
+                    if gap == 0:
+                        break
+        if gap:  # or exchange items: one or two untaken ones in, one or two taken ones out, `gap` tokens more
+            gap = _exchange([m for m in range(i, n) if taken[m]], [m for m in range(i, n) if not taken[m]],
+                            items, taken, gap)
+        cut = None
+        if gap:  # no combination fits: cut the shortest item left that is longer than the gap
+            cut = next(m for m in range(n - 1, i - 1, -1) if not taken[m] and items[m].length > gap)
+        for m in range(i, n):
+            if m == cut:
+                it = items[m]
+                self.put(0, it.sub(it.length - gap, it.length))
+                self.put(1, it.sub(0, it.length - gap))
             else:
-                for b, piece, swap in swaps:
-                    bins.items[home].remove(swap)
-                    bins.items[b].remove(piece)
-                    bins.items[home].append(piece)
-                    bins.items[b].append(swap)
-                    bins.area[home] += piece.area - swap.area
-                    bins.area[b] += swap.area - piece.area
-                    where[swap.doc] = [(b, swap)]
-                where[doc] = [(home, piece) for _, piece in pieces]
+                self.put(0 if taken[m] else 1, items[m])
+
+
+    def mend_cuts(self) -> None:
+        """Undo cuts that only filled rooms: a document on both sides whose piece on one side is as long as a
+        whole, uncut item on the other is reunited by swapping the two, when the areas stay within the slack."""
+        sides = self.out
+        count: dict = {}
+        for side in sides:
+            for it in side:
+                count[it.doc] = count.get(it.doc, 0) + 1
+        by_length = [{}, {}]
+        for side in (0, 1):
+            for k, it in enumerate(sides[side]):
+                if count[it.doc] == 1:
+                    by_length[side].setdefault(it.length, []).append(k)
+        split = sorted({it.doc for it in sides[0] if count[it.doc] > 1} & {it.doc for it in sides[1]})
+        for doc in split:
+            for home in (0, 1):
+                away = [k for k, it in enumerate(sides[1 - home]) if it.doc == doc]
+                if len(away) != 1:
+                    continue
+                piece = sides[1 - home][away[0]]
+                candidates = by_length[home].get(piece.length, [])
+                if not candidates:
+                    continue
+                swap = sides[home][candidates[-1]]
+                delta = piece.area - swap.area
+                if not (abs(self.missing[home] - delta) <= max(abs(self.missing[home]), self.slack)
+                        and abs(self.missing[1 - home] + delta) <= max(abs(self.missing[1 - home]), self.slack)):
+                    continue
+                k = candidates.pop()
+                sides[home][k], sides[1 - home][away[0]] = piece, swap
+                self.missing[home] -= delta
+                self.missing[1 - home] += delta
                 break
 
 
-def _place(item: _Item, bins: _Bins, rho: float, later: Optional[Sequence[_Item]] = None) -> None:
-    """Place one item. A heavy one longer than every room is either peeled or dealt in zigzag pairs over k
-    bins: each option is tried together with the ``later`` heavy items (placed by peeling only), and the one
-    that leaves the smallest irreparable imbalance wins (ties: peeling, then fewer bins, i.e. less traffic).
-    ``later=None`` (inside such a trial) skips the search."""
-    if later is None or item.length <= max(bins.room) or item.area < bins.heavy:
-        _peel_into(item, bins, rho)
-        return
-    unit = max(bins.tol, 1e-9)
-    best = None
-    for k in range(1, len(bins.room) + 1):
-        trial = bins.copy()
-        if k == 1:
-            _peel_into(item, trial, rho)
-        elif not _zigzag(item, trial, rho, k):
-            continue
-        probe = trial.copy()
-        for other in later:
-            _place(other, probe, rho)
-        key = (round(probe.error(rho) / unit), k)
-        if best is None or key < best[0]:
-            best = (key, trial)
-    bins.adopt(best[1])
+def _exchange(inside: List[int], outside: List[int], items: List[_Item], taken: List[bool], gap: int) -> int:
+    """Swap the shortest few items so that ``taken`` gains exactly ``gap`` tokens: u - t, u1 + u2 - t or
+    u - t1 - t2 = gap (u: items not taken, t: taken). Returns the gap left (0 on success)."""
+    inside = sorted(inside, key=lambda m: (items[m].length, m))[:_EXCHANGE]
+    outside = sorted(outside, key=lambda m: (items[m].length, m))[:_EXCHANGE]
+    by_length: dict = {}
+    for m in inside:
+        by_length.setdefault(items[m].length, []).append(m)
+
+    def swap(ins: Sequence[int], outs: Sequence[int]) -> int:
+        for m in ins:
+            taken[m] = True
+        for m in outs:
+            taken[m] = False
+        return 0
+
+    for u in outside:
+        t = by_length.get(items[u].length - gap)
+        if t:
+            return swap([u], [t[0]])
+    for x, u1 in enumerate(outside):
+        for u2 in outside[x + 1:]:
+            t = by_length.get(items[u1].length + items[u2].length - gap)
+            if t:
+                return swap([u1, u2], [t[0]])
+    for u in outside:
+        for t1 in inside:
+            rest = items[u].length - gap - items[t1].length
+            t2 = next((m for m in by_length.get(rest, []) if m != t1), None)
+            if t2 is not None:
+                return swap([u], [t1, t2])
+    return gap
 
 
-def _peel_into(item: _Item, bins: _Bins, rho: float) -> None:
-    """Place ``item`` whole in the bin with the largest deficit, or peel off pieces that fill deficits (or rooms)."""
-    nbins = len(bins.room)
-    while item.length:
-        n = item.length
-        excess = _excess(item.area, n, rho)
-        fits = [b for b in range(nbins) if bins.room[b] >= n]
-        if fits:
-            # An item denser than the filler goes where cost is missing most, a sparser one where it is in
-            # excess; up to a band (the tolerance, or a light item's own weight), the fullest such bin: best
-            # fit keeps rooms whole, so the last short documents fill them exactly instead of being cut.
-            sign = 1.0 if excess >= 0 else -1.0
-            band = 0.0 if bins.spread else max(bins.tol, bins.heavy if item.area < bins.heavy else 0.0)
-            top = max(sign * bins.deficit(c, rho) for c in fits) - band
-            if bins.pack_only and not bins.spread:
-                top = float("-inf")
-            b = min((c for c in fits if sign * bins.deficit(c, rho) >= top), key=lambda c: (bins.room[c], c))
-            exact = [c for c in fits if bins.room[c] == n and excess <= bins.deficit(c, rho) + bins.tol]
-            if exact:
-                b = exact[0]
-            budget = bins.deficit(b, rho)
-            if excess <= budget + bins.tol or budget <= bins.tol:
-                bins.put(b, item)
-                return
-            lo, hi = _peel(item, budget, bins.room[b], rho, tail=budget >= excess / 2)
-            if hi <= lo:  # even one token overshoots the budget: the item goes whole
-                bins.put(b, item)
-                return
-        else:
-            b = max((c for c in range(nbins) if bins.room[c] > 0), key=lambda c: (bins.deficit(c, rho), -c))
-            budget = bins.deficit(b, rho)
-            lo, hi = 0, 0
-            if item.area >= bins.heavy and budget > bins.tol:  # a heavy item: a piece that fills the deficit
-                lo, hi = _peel(item, budget, bins.room[b], rho, tail=budget >= excess / 2)
-            if hi <= lo:  # fill the largest room with the head or the tail, whichever suits its deficit best
-                b = max((c for c in range(nbins) if bins.room[c] > 0),
-                        key=lambda c: (bins.room[c], bins.deficit(c, rho), -c))
-                room, budget = bins.room[b], bins.deficit(b, rho)
-                head = _excess(item.area_before(room), room, rho)
-                tail = _excess(item.area - item.area_before(n - room), room, rho)
-                lo, hi = (n - room, n) if abs(budget - tail) < abs(budget - head) else (0, room)
-        bins.put(b, _Item(item.doc, item.sub(lo, hi)))
-        item = _Item(item.doc, item.sub(0, lo) + item.sub(hi, n))
+def _bisect_items(items: List[_Item], rooms: Tuple[int, int], targets: Tuple[float, float],
+                  between_nodes: bool) -> List[List[_Item]]:
+    """Split ``items`` into two sides of exactly ``rooms`` tokens whose areas approach ``targets``.
+    ``between_nodes``: the sides are groups of nodes, so short documents are not cut (inter-node traffic)."""
+    if rooms[1] == 0:
+        return [items, []]
+    if rooms[0] == 0:
+        return [[], items]
+    state = _Bisection(items, rooms, targets)
+    pool = state.pool.items
+    heavy = _HEAVY * max(1.0, min(targets))
+    # Items are placed one by one up to the last heavy one; the rest are dealt as a window.
+    end = max((k + 1 for k, it in enumerate(pool) if it.area > heavy), default=0)
+    short = max(int(_SHORT * min(rooms)), _SHORT_TOKENS) if between_nodes else 0
+    deferred = [pool[k] for k in range(end) if not state.place_heavy(k, short)]
+    if deferred:  # one light pool in density order again
+        state.pool = _Pool(sorted(deferred + pool[end:], key=_density_order))
+        end = 0
+    state.place_light(end)
+    state.mend_cuts()
+    return [_merged(side) for side in state.out]
+
+
+def _split(items: List[_Item], groups: list, caps: Sequence[int], targets: Sequence[float]) -> List[List[_Item]]:
+    """Recursive bisection over a tree of bins: ``groups`` is a bin index or a list of subtrees."""
+    if isinstance(groups, int):
+        return [items]
+    if len(groups) == 1:
+        return _split(items, groups[0], caps, targets)
+    half = len(groups) // 2
+    left, right = groups[:half], groups[half:]
+    lb, rb = _leaves(left), _leaves(right)
+    sides = _bisect_items(items, (sum(caps[b] for b in lb), sum(caps[b] for b in rb)),
+                          (sum(targets[b] for b in lb), sum(targets[b] for b in rb)), not isinstance(groups[0], int))
+    return _split(sides[0], left, caps, targets) + _split(sides[1], right, caps, targets)
+
+
+def _leaves(groups: object) -> List[int]:
+    if isinstance(groups, int):
+        return [groups]
+    return [b for g in groups for b in _leaves(g)]
 
 
 def _merged(items: List[_Item]) -> List[_Item]:
@@ -337,7 +462,7 @@ def _merged(items: List[_Item]) -> List[_Item]:
         by_doc.setdefault(it.doc, []).append(it)
     out = []
     for doc in sorted(by_doc):
-        if len(by_doc[doc]) == 1 and len(by_doc[doc][0].ranges) == 1:
+        if len(by_doc[doc]) == 1:
             out.append(by_doc[doc][0])
             continue
         ranges: List[List[int]] = []
@@ -363,12 +488,16 @@ def sequence_aware_placement(doc_lengths: Sequence[int], *, ring_size: int, ulys
 
     Every rank holds exactly ``tokens_per_rank`` tokens except for tail padding on the last
     ranks. Ring member m (CP ranks ``m * ulysses_size ...``) sits on node
-    ``m // ring_members_per_node``. Deterministic: every rank computes the same placement.
+    ``m // ring_members_per_node``. ``cost_model`` (default ``CostModel()``, Llama-3-8B) sets how much
+    attention a padded member takes in place of its missing tokens' linear work. Deterministic:
+    every rank computes the same placement.
     """
     _check_size("ring_size", ring_size, 1)
     _check_size("ulysses_size", ulysses_size, 1)
     _check_size("ring_members_per_node", ring_members_per_node, 1)
     _check_size("tokens_per_rank", tokens_per_rank, 0)
+    if cost_model is not None and not isinstance(cost_model, CostModel):
+        raise ValueError(f"cost_model must be a CostModel or None, got {type(cost_model).__name__}")
     for i, n in enumerate(doc_lengths):
         if not isinstance(n, int) or isinstance(n, bool) or n < 0:
             raise ValueError(f"doc_lengths[{i}]={n!r} must be an int >= 0")
@@ -379,32 +508,15 @@ def sequence_aware_placement(doc_lengths: Sequence[int], *, ring_size: int, ulys
                          f"{ring_size * member_tokens} tokens but the batch has {total}; need tokens_per_rank >= "
                          f"{-(-total // (ring_size * ulysses_size))}")
     weight = (cost_model or CostModel()).linear_weight
-    member_caps = [min(member_tokens, max(0, total - m * member_tokens)) for m in range(ring_size)]
+    caps = [min(member_tokens, max(0, total - m * member_tokens)) for m in range(ring_size)]
+    docs = [_Item(d, ((0, n),)) for d, n in enumerate(doc_lengths) if n > 0]
+    targets = _attention_targets(caps, sum(it.area for it in docs), weight, max(doc_lengths, default=0))
     nodes = [list(range(m, min(m + ring_members_per_node, ring_size)))
              for m in range(0, ring_size, ring_members_per_node)]
-    docs = [_Item(d, ((0, n),)) for d, n in enumerate(doc_lengths) if n > 0]
-    per_node = _partition(docs, [sum(member_caps[m] for m in node) for node in nodes], weight,
-                          spread=ring_members_per_node > 1)
-    members: List[List[_Item]] = []
-    for node, node_items in zip(nodes, per_node):
-        members.extend(_partition(_merged(node_items) if len(node) > 1 else node_items,
-                                  [member_caps[m] for m in node], weight, spread=False))
+    members = _split(docs, nodes, caps, targets)
 
     out: List[List[Segment]] = []
     for items in members:
-        stream = [(it.doc, s, e) for it in _merged(items) for s, e in it.ranges]
-        pos = 0
-        for _ in range(ulysses_size):
-            rank: List[Segment] = []
-            need = tokens_per_rank
-            while need and pos < len(stream):
-                doc, s, e = stream[pos]
-                take = min(need, e - s)
-                rank.append((doc, s, s + take))
-                need -= take
-                if s + take == e:
-                    pos += 1
-                else:
-                    stream[pos] = (doc, s + take, e)
-            out.append(rank)
+        out.extend(split_member_stream([(it.doc, s, e) for it in _merged(items) for s, e in it.ranges],
+                                       ulysses_size, tokens_per_rank))
     return out

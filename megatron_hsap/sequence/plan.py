@@ -8,17 +8,20 @@ rank will send without asking. Plans are cached by document-length signature.
 
 from __future__ import annotations
 
+import gc
 from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Dict, List, Optional, Tuple
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
 from megatron_hsap.config import LAYOUTS
 from megatron_hsap.parallel_state import CPTopology
+from megatron_hsap.sequence.cost_model import CostModel
 from megatron_hsap.sequence.layouts import Segment, check_layout, contiguous_layout, zigzag_layout
-from megatron_hsap.sequence.schedule import MemberSchedule, Piece, build_member_schedule, member_pieces
+from megatron_hsap.sequence.schedule import MemberSchedule, Piece, build_member_schedule, member_pieces, piece_tables
 
 __all__ = ["BatchPlan", "PlanStats", "plan_batch", "validate_cu_seqlens"]
 
@@ -79,18 +82,22 @@ class _PlanData:
     tokens_per_rank: int
     pieces: List[Dict[int, List[Piece]]] = field(default_factory=list)
     schedules: Dict[Tuple[int, bool], MemberSchedule] = field(default_factory=dict)
+    tables: Optional[List[np.ndarray]] = None
 
     def schedule(self, member: int, causal: bool) -> MemberSchedule:
         key = (member, causal)
         if key not in self.schedules:
-            self.schedules[key] = build_member_schedule(self.pieces, member, causal)
+            if self.tables is None:
+                self.tables = piece_tables(self.pieces)
+            self.schedules[key] = build_member_schedule(self.tables, member, causal)
         return self.schedules[key]
 
 
-def _place(doc_lengths: Tuple[int, ...], topology: CPTopology, layout: str) -> Tuple[List[List[Segment]], int]:
+def _place(doc_lengths: Tuple[int, ...], topology: CPTopology, layout: str,
+           cost_model: Optional[CostModel] = None) -> Tuple[List[List[Segment]], int]:
     cp = topology.cp_size
     if layout == "zigzag":
-        return zigzag_layout(doc_lengths, cp)
+        return zigzag_layout(doc_lengths, cp, topology.ulysses_size)
     if layout == "contiguous":
         return contiguous_layout(doc_lengths, cp)
     from megatron_hsap.sequence.placement import sequence_aware_placement
@@ -99,34 +106,52 @@ def _place(doc_lengths: Tuple[int, ...], topology: CPTopology, layout: str) -> T
     members_on_node0 = sum(1 for m in range(topology.ring_size) if nodes[m * topology.ulysses_size] == nodes[0])
     tokens_per_rank = -(-sum(doc_lengths) // cp)
     segments = sequence_aware_placement(doc_lengths, ring_size=topology.ring_size, ulysses_size=topology.ulysses_size,
-                                        ring_members_per_node=members_on_node0, tokens_per_rank=tokens_per_rank)
+                                        ring_members_per_node=members_on_node0, tokens_per_rank=tokens_per_rank,
+                                        cost_model=cost_model)
     return segments, tokens_per_rank
 
 
 @lru_cache(maxsize=64)
-def _cached_plan_data(doc_lengths: Tuple[int, ...], topology_signature: tuple, layout: str) -> _PlanData:
+def _cached_plan_data(doc_lengths: Tuple[int, ...], topology_signature: tuple, layout: str,
+                      cost_model: Optional[CostModel]) -> _PlanData:
     cp, ulysses, nodes = topology_signature
     topology = CPTopology(cp_size=cp, ulysses_size=ulysses, node_of_cp_rank=nodes)
-    segments, tokens_per_rank = _place(doc_lengths, topology, layout)
-    check_layout(segments, doc_lengths, tokens_per_rank)
-    data = _PlanData(doc_lengths, layout, cp, ulysses, tuple(tuple(s) for s in segments), tokens_per_rank)
-    data.pieces = member_pieces(data.rank_segments, tokens_per_rank, ulysses)
+    # Planning allocates many small acyclic objects; a full cyclic-GC pass over the process heap triggered
+    # by them would cost ~100 ms at random batches. Refcounting frees them; the collector resumes after.
+    gc_was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        segments, tokens_per_rank = _place(doc_lengths, topology, layout, cost_model)
+        check_layout(segments, doc_lengths, tokens_per_rank)
+        data = _PlanData(doc_lengths, layout, cp, ulysses, tuple(tuple(s) for s in segments), tokens_per_rank)
+        data.pieces = member_pieces(data.rank_segments, tokens_per_rank, ulysses)
+    finally:
+        if gc_was_enabled:
+            gc.enable()
     return data
 
 
-def plan_batch(cu_seqlens: torch.Tensor, topology: CPTopology, layout: str = "zigzag") -> "BatchPlan":
+def plan_batch(cu_seqlens: torch.Tensor, topology: CPTopology, layout: str = "zigzag", *,
+               cost_model: Optional[CostModel] = None) -> "BatchPlan":
     """Plan one packed batch.
 
     cu_seqlens: int ``[num_docs + 1]`` boundaries of the *global* packed batch (the same
     on every rank; zero-length documents allowed). topology: from ``get_cp_topology()``
     or ``CPTopology.offline(...)``. layout: 'zigzag', 'contiguous' or 'sequence-aware'.
+    cost_model: the model's layer geometry for the sequence-aware placement (how much attention
+    a rank with padding takes in place of linear work); default ``CostModel()`` (Llama-3-8B).
+    The other layouts ignore it.
     """
     if layout not in LAYOUTS:
         raise ValueError(f"layout={layout!r} is not supported; allowed values: {', '.join(map(repr, LAYOUTS))}")
     if not isinstance(topology, CPTopology):
         raise ValueError(f"topology must be a CPTopology, got {type(topology).__name__}")
+    if cost_model is not None and not isinstance(cost_model, CostModel):
+        raise ValueError(f"cost_model must be a CostModel or None, got {type(cost_model).__name__}")
     lengths = validate_cu_seqlens(cu_seqlens)
-    return BatchPlan(_cached_plan_data(lengths, topology.signature(), layout), topology)
+    if layout != "sequence-aware" or cost_model == CostModel():
+        cost_model = None  # one cache entry per plan that can differ
+    return BatchPlan(_cached_plan_data(lengths, topology.signature(), layout, cost_model), topology)
 
 
 class BatchPlan:
@@ -140,6 +165,8 @@ class BatchPlan:
         self._data = data
         self.topology = topology
         self._local: Optional[Tuple[torch.Tensor, torch.Tensor]] = None
+        #: Call signatures whose cross-rank agreement was checked (``attention.agreement``).
+        self.verified_signatures: set = set()
 
     # ---- layout -------------------------------------------------------------------------
     @property

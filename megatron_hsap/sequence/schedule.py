@@ -12,23 +12,27 @@ needed is skipped on both sides, because both sides derive it from the same plan
 
 from __future__ import annotations
 
-import bisect
 from collections import defaultdict
 from dataclasses import dataclass
 from typing import Dict, List, Sequence, Tuple
 
+import numpy as np
 import torch
 
+from megatron_hsap.device_cache import cached_device_index
 from megatron_hsap.kernels.base import AttentionBlocks
 from megatron_hsap.sequence.layouts import Segment
 
-Block = Tuple[int, int, int, int, bool]
 Piece = Tuple[int, int, int]  # (buffer_start, doc_start, doc_end) inside one member buffer
 
 
 @dataclass(frozen=True)
 class RowRanges:
-    """Rows ``[start, end)`` of a buffer, gathered in order into one message."""
+    """Rows ``[start, end)`` of a buffer, gathered in order into one message.
+
+    A single range is a slice (no index tensor, no extra copy); several ranges use one
+    int64 index tensor per device, built once and kept in a byte-bounded LRU cache.
+    """
 
     ranges: Tuple[Tuple[int, int], ...]
 
@@ -36,19 +40,24 @@ class RowRanges:
     def num_rows(self) -> int:
         return sum(e - s for s, e in self.ranges)
 
-    def gather(self, x: torch.Tensor) -> torch.Tensor:
-        """``x[rows]`` along dim 0 (a view when there is a single range)."""
+    def _index(self, device: torch.device) -> torch.Tensor:
+        return cached_device_index(("ring rows", self.ranges), device,
+                                   lambda: torch.cat([torch.arange(s, e, dtype=torch.int64) for s, e in self.ranges]))
+
+    def gather_into(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """``out[:] = x[rows]`` along dim 0 (one copy; ``out`` may be a strided view); returns ``out``."""
         if len(self.ranges) == 1:
             s, e = self.ranges[0]
-            return x[s:e]
-        return torch.cat([x[s:e] for s, e in self.ranges])
+            return out.copy_(x[s:e])
+        return torch.index_select(x, 0, self._index(x.device), out=out)
 
-    def scatter_add_(self, out: torch.Tensor, rows: torch.Tensor) -> None:
-        """``out[rows] += rows`` along dim 0: gradients coming back to their owner."""
-        offset = 0
-        for s, e in self.ranges:
-            out[s:e] += rows[offset:offset + e - s]
-            offset += e - s
+    def add_into(self, out: torch.Tensor, rows: torch.Tensor) -> None:
+        """``out[rows] += rows`` along dim 0: gradients coming back to their owner, in ``out``'s dtype."""
+        if len(self.ranges) == 1:
+            s, e = self.ranges[0]
+            out[s:e] += rows
+        else:
+            out.index_add_(0, self._index(out.device), rows.to(out.dtype))
 
 
 @dataclass(frozen=True)
@@ -106,77 +115,81 @@ def member_pieces(rank_segments: Sequence[Sequence[Segment]], tokens_per_rank: i
     return result
 
 
-def _pair_blocks(q: Piece, k: Piece, causal: bool) -> List[Block]:
-    """Blocks letting query piece ``q`` attend to key piece ``k`` of the same document."""
-    qb, q0, q1 = q
-    kb, k0, k1 = k
+def piece_tables(pieces: Sequence[Dict[int, List[Piece]]]) -> List[np.ndarray]:
+    """Per member: int64 ``[n, 4]`` rows (doc, buffer_start, doc_start, doc_end), sorted by document then
+    position: the form the schedule compiler joins on, vectorised."""
+    tables = []
+    for docs in pieces:
+        table = np.array([(doc, b, s, e) for doc, doc_pieces in docs.items() for b, s, e in doc_pieces],
+                         dtype=np.int64).reshape(-1, 4)
+        tables.append(table[np.lexsort((table[:, 2], table[:, 0]))])
+    return tables
+
+
+def _pair_blocks(q: np.ndarray, k: np.ndarray, causal: bool) -> np.ndarray:
+    """Blocks ``[m, 5]`` (q_start, q_end, k_start, k_end, causal) letting every query piece of ``q`` attend
+    the key pieces of ``k`` of the same document (piece tables as in ``piece_tables``)."""
+    lo = np.searchsorted(k[:, 0], q[:, 0], side="left")
+    counts = np.searchsorted(k[:, 0], q[:, 0], side="right") - lo
+    total = int(counts.sum())
+    if total == 0:
+        return np.zeros((0, 5), dtype=np.int64)
+    qi = np.repeat(np.arange(len(q)), counts)
+    ki = np.repeat(lo - (np.cumsum(counts) - counts), counts) + np.arange(total)
+    qb, q0, q1 = q[qi, 1], q[qi, 2], q[qi, 3]
+    kb, k0, k1 = k[ki, 1], k[ki, 2], k[ki, 3]
     if not causal:
-        return [(qb, qb + q1 - q0, kb, kb + k1 - k0, False)]
-    kend = min(k1, q1)
-    if kend <= k0:
-        return []
-    if kend <= q0:  # every key precedes every query
-        return [(qb, qb + q1 - q0, kb, kb + kend - k0, False)]
-    first = max(q0, k0)  # queries before k0 see none of these keys
-    blocks = [(qb + first - q0, qb + kend - q0, kb, kb + kend - k0, True)]
-    if kend < q1:  # queries after the last key see all of them
-        blocks.append((qb + kend - q0, qb + q1 - q0, kb, kb + kend - k0, False))
-    return blocks
+        return np.stack([qb, qb + q1 - q0, kb, kb + k1 - k0, np.zeros_like(qb)], axis=1)
+    kend = np.minimum(k1, q1)
+    first = np.maximum(q0, k0)  # queries before k0 see none of these keys
+    before = kend <= q0         # every key precedes every query: one full block
+    diagonal = np.stack([qb + first - q0, qb + kend - q0, kb, kb + kend - k0, np.ones_like(qb)], axis=1)
+    # rows from kend on (all of them when every key precedes every query) see every key up to kend
+    tail_start = np.where(before, qb, qb + kend - q0)
+    tail = np.stack([tail_start, qb + q1 - q0, kb, kb + kend - k0, np.zeros_like(qb)], axis=1)
+    blocks = np.concatenate([diagonal[~before], tail])
+    return blocks[(blocks[:, 1] > blocks[:, 0]) & (blocks[:, 3] > blocks[:, 2])]
 
 
-def _merge(ranges: List[Tuple[int, int]]) -> List[Tuple[int, int]]:
-    merged: List[Tuple[int, int]] = []
-    for s, e in sorted(ranges):
-        if merged and s <= merged[-1][1]:
-            merged[-1] = (merged[-1][0], max(merged[-1][1], e))
-        else:
-            merged.append((s, e))
-    return merged
+def _to_blocks(blocks: np.ndarray) -> AttentionBlocks:
+    if not len(blocks):
+        return AttentionBlocks()
+    qs, qe, ks, ke, c = (tuple(col.tolist()) for col in blocks.T)
+    return AttentionBlocks(qs, qe, ks, ke, tuple(bool(x) for x in c))
 
 
-def _pair_schedule(q_docs: Dict[int, List[Piece]], k_docs: Dict[int, List[Piece]],
-                   causal: bool) -> List[Block]:
-    blocks: List[Block] = []
-    for doc, q_pieces in q_docs.items():
-        k_pieces = k_docs.get(doc)
-        if not k_pieces:
-            continue
-        for q in q_pieces:
-            for k in k_pieces:
-                blocks.extend(_pair_blocks(q, k, causal))
-    return blocks
+def _needed_rows(blocks: np.ndarray) -> Tuple[RowRanges, np.ndarray]:
+    """The key owner's rows the blocks touch (merged ranges) and each block's shift into the packed rows."""
+    order = np.argsort(blocks[:, 2], kind="stable")
+    starts, ends = blocks[order, 2], blocks[order, 3]
+    opens = np.ones(len(starts), dtype=bool)
+    opens[1:] = starts[1:] > np.maximum.accumulate(ends)[:-1]
+    first = np.flatnonzero(opens)
+    range_starts = starts[first]
+    range_ends = np.maximum.reduceat(ends, first)
+    packed_starts = np.concatenate([[0], np.cumsum(range_ends - range_starts)[:-1]])
+    which = np.searchsorted(range_starts, blocks[:, 2], side="right") - 1
+    ranges = tuple(zip(range_starts.tolist(), range_ends.tolist()))
+    return RowRanges(ranges), packed_starts[which] - range_starts[which]
 
 
-def _remote(blocks: List[Block]) -> Tuple[RowRanges, AttentionBlocks]:
-    """Rows of the key owner's buffer to send, and the blocks re-indexed into the receive buffer."""
-    ranges = _merge([(b[2], b[3]) for b in blocks])
-    starts = [s for s, _ in ranges]
-    offsets, acc = [], 0
-    for s, e in ranges:
-        offsets.append(acc)
-        acc += e - s
-    remapped = []
-    for qs, qe, ks, ke, c in blocks:
-        i = bisect.bisect_right(starts, ks) - 1
-        shift = offsets[i] - ranges[i][0]
-        remapped.append((qs, qe, ks + shift, ke + shift, c))
-    return RowRanges(tuple(ranges)), AttentionBlocks.from_list(remapped)
-
-
-def build_member_schedule(pieces: Sequence[Dict[int, List[Piece]]], member: int, causal: bool) -> MemberSchedule:
-    """The schedule of one member: local blocks, what it receives and what it sends, per ring distance."""
-    ring_size = len(pieces)
-    local = AttentionBlocks.from_list(_pair_schedule(pieces[member], pieces[member], causal))
+def build_member_schedule(tables: Sequence[np.ndarray], member: int, causal: bool) -> MemberSchedule:
+    """The schedule of one member (piece tables of every member, see ``piece_tables``): local blocks,
+    what it receives and what it sends, per ring distance."""
+    ring_size = len(tables)
+    mine = tables[member]
+    local = _to_blocks(_pair_blocks(mine, mine, causal))
     recv_steps, send_steps = [], []
     for distance in range(1, ring_size):
         src = (member - distance) % ring_size
-        blocks = _pair_schedule(pieces[member], pieces[src], causal)
-        if blocks:
-            rows, remapped = _remote(blocks)
-            recv_steps.append(RecvStep(distance, src, rows.num_rows, remapped))
+        blocks = _pair_blocks(mine, tables[src], causal)
+        if len(blocks):
+            rows, shift = _needed_rows(blocks)
+            blocks[:, 2] += shift
+            blocks[:, 3] += shift
+            recv_steps.append(RecvStep(distance, src, rows.num_rows, _to_blocks(blocks)))
         dst = (member + distance) % ring_size
-        blocks = _pair_schedule(pieces[dst], pieces[member], causal)
-        if blocks:
-            rows, _ = _remote(blocks)
-            send_steps.append(SendStep(distance, dst, rows))
+        blocks = _pair_blocks(tables[dst], mine, causal)
+        if len(blocks):
+            send_steps.append(SendStep(distance, dst, _needed_rows(blocks)[0]))
     return MemberSchedule(local, tuple(recv_steps), tuple(send_steps))

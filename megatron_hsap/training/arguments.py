@@ -16,6 +16,7 @@ import sys
 from typing import List, Optional
 
 from megatron_hsap.config import KERNELS, LAYOUTS, MODES, ContextParallelConfig
+from megatron_hsap.training.dataset_check import check_indexed_dataset
 
 __all__ = ["DEMO_FLAGS", "build_parser", "parse_args", "validate_args", "cp_config_from_args", "data_path_prefixes"]
 
@@ -30,6 +31,20 @@ def _positive_int(text: str) -> int:
 def _non_negative_int(text: str) -> int:
     value = int(text)
     if value < 0:
+        raise argparse.ArgumentTypeError(f"{value} is negative")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"{value} is not a positive number")
+    return value
+
+
+def _non_negative_float(text: str) -> float:
+    value = float(text)
+    if not value >= 0:
         raise argparse.ArgumentTypeError(f"{value} is negative")
     return value
 
@@ -82,9 +97,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--ranks-per-node", type=_positive_int, default=None,
                    help="ranks per node; set it to emulate several nodes on one machine (default: LOCAL_WORLD_SIZE)")
     g.add_argument("--distributed-backend", choices=("auto", "gloo", "nccl"), default="auto")
-    g.add_argument("--distributed-timeout-minutes", type=_positive_int, default=10)
+    g.add_argument("--distributed-timeout-minutes", type=_positive_float, default=10,
+                   help="a collective waiting this long for a peer fails (fractions allowed, e.g. 0.5)")
     g.add_argument("--nproc", type=_positive_int, default=None,
                    help="when started without torchrun: spawn this many local ranks (CPU/gloo)")
+    g.add_argument("--rank-failure-grace-seconds", type=_non_negative_float, default=10.0,
+                   help="with --nproc: after one rank fails, the others get this long to exit, then are killed")
 
     g = p.add_argument_group("training")
     g.add_argument("--micro-batch-size", type=_positive_int, default=1)
@@ -128,7 +146,20 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--save-interval", type=_positive_int, default=None)
     g.add_argument("--no-load-optim", action="store_true")
     g.add_argument("--exit-interval", type=_positive_int, default=None,
-                   help="stop after this iteration (saving first when --save is given), as Megatron-LM")
+                   help="stop at the first iteration divisible by this (saving first when --save is given)")
+    g.add_argument("--exit-duration-in-mins", type=_non_negative_float, default=None,
+                   help="stop (saving first when --save is given) after the iteration that ends this many "
+                        "minutes after start-up")
+    g.add_argument("--exit-signal-handler", action="store_true",
+                   help="on --exit-signal to any rank: all ranks finish the iteration, save (--save) and exit 0")
+    g.add_argument("--exit-signal", nargs="+", choices=("SIGTERM", "SIGINT", "SIGUSR1", "SIGUSR2"),
+                   default=["SIGTERM", "SIGUSR1"], help="the signal(s) --exit-signal-handler handles")
+    g.add_argument("--check-for-nan-in-loss-and-grad", dest="check_for_nan_in_loss_and_grad",
+                   action="store_true", default=True,
+                   help="stop with an error naming iteration, rank and layer when a loss or gradient is NaN/Inf, "
+                        "before the optimizer step (default on)")
+    g.add_argument("--no-check-for-nan-in-loss-and-grad", dest="check_for_nan_in_loss_and_grad",
+                   action="store_false")
 
     g = p.add_argument_group("logging")
     g.add_argument("--log-interval", type=_positive_int, default=1)
@@ -235,6 +266,7 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
         if missing:
             raise ValueError(f"--data-path: {', '.join(missing)} not found; build it with tools/preprocess_data.py, "
                              "or use --mock-data, or omit --data-path to train on the embedded corpus")
+        check_indexed_dataset(prefix)
     if args.tokenizer_type == "HuggingFaceTokenizer" and not args.tokenizer_model:
         raise ValueError("--tokenizer-type HuggingFaceTokenizer needs --tokenizer-model (a local path)")
     if args.tokenizer_type == "NullTokenizer" and args.vocab_size is None:
@@ -246,8 +278,8 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
         raise ValueError("--tensorboard-dir needs the tensorboard package (pip install tensorboard)")
     if args.save_interval is not None and args.save is None:
         raise ValueError("--save-interval needs --save")
-    if args.load is not None and not os.path.isdir(args.load):
-        raise ValueError(f"--load {args.load!r} is not a readable checkpoint directory")
+    if args.load is not None and os.path.exists(args.load) and not os.path.isdir(args.load):
+        raise ValueError(f"--load {args.load!r} is not a directory")
     if args.nproc is not None and "WORLD_SIZE" in os.environ and int(os.environ["WORLD_SIZE"]) != args.nproc:
         raise ValueError(f"--nproc ({args.nproc}) conflicts with the launcher's WORLD_SIZE "
                          f"({os.environ['WORLD_SIZE']})")

@@ -6,19 +6,24 @@ Sample order follows Megatron's pretraining sampler: iteration ``i``, micro-batc
 ``m`` on data-parallel rank ``d`` reads samples
 ``i*GBS + (m*DP + d)*MBS ... + MBS``, so a run resumed at iteration k reads exactly
 what the uninterrupted run read, whatever the TP/PP/CP sizes.
+
+Bad data stops the run before training (``dataset_check``: damaged files, token ids
+beyond the vocabulary) and, should anything slip through, before the embedding
+(``micro_batches`` checks every micro-batch's ids).
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-from typing import Any, Dict, Iterator
+from typing import Any, Dict, Iterator, List
 
 import torch
 import torch.distributed as dist
 
 from megatron_hsap.training.arguments import data_path_prefixes
 from megatron_hsap.training.corpus import default_cache_dir, ensure_stdlib_corpus
+from megatron_hsap.training.dataset_check import check_token_ids
 
 __all__ = ["build_train_dataset", "micro_batches"]
 
@@ -45,6 +50,7 @@ def build_train_dataset(args: argparse.Namespace, tokenizer: Any) -> Any:
     for prefix in data_path_prefixes(data_path or []):
         if not (os.path.isfile(prefix + ".bin") and os.path.isfile(prefix + ".idx")):
             raise ValueError(f"--data-path {prefix!r}: .bin/.idx not found")
+    _check_vocabulary(data_path_prefixes(data_path or []), tokenizer.vocab_size)
     config = GPTDatasetConfig(
         random_seed=args.seed, sequence_length=args.seq_length,
         blend=get_blend_from_list(data_path) if data_path else None, split=args.split,
@@ -60,17 +66,40 @@ def build_train_dataset(args: argparse.Namespace, tokenizer: Any) -> Any:
     return train
 
 
-def micro_batches(dataset: Any, args: argparse.Namespace, data_parallel_rank: int,
-                  start_iteration: int) -> Iterator[Dict[str, torch.Tensor]]:
+def _check_vocabulary(prefixes: List[str], vocab_size: int) -> None:
+    """Rank 0 scans every dataset's token ids; all ranks raise the same ValueError if one is out of range."""
+    problem = [""]
+    if dist.get_rank() == 0:
+        try:
+            for prefix in prefixes:
+                check_token_ids(prefix, vocab_size)
+        except ValueError as err:
+            problem[0] = f"--data-path: {err}"
+    dist.broadcast_object_list(problem, src=0)
+    if problem[0]:
+        raise ValueError(problem[0])
+
+
+def micro_batches(dataset: Any, args: argparse.Namespace, data_parallel_rank: int, start_iteration: int,
+                  vocab_size: int) -> Iterator[Dict[str, torch.Tensor]]:
     """Yield this DP rank's micro-batches from ``start_iteration`` on, in Megatron's sampler order.
 
     Each item holds ``tokens``, ``labels``, ``loss_mask`` as ``[micro_batch_size, seq_length]``
-    (the same on every TP/PP/CP rank of this DP rank).
+    (the same on every TP/PP/CP rank of this DP rank). A token id outside ``[0, vocab_size)`` raises
+    ValueError naming the iteration and samples, before the ids reach the embedding.
     """
     gbs, mbs, dp = args.global_batch_size, args.micro_batch_size, args.data_parallel_size
     for iteration in range(start_iteration, args.train_iters):
         for micro in range(args.num_microbatches):
             first = iteration * gbs + (micro * dp + data_parallel_rank) * mbs
             samples = [dataset[i] for i in range(first, first + mbs)]
-            yield {key: torch.stack([torch.as_tensor(s[key]) for s in samples])
-                   for key in ("tokens", "labels", "loss_mask")}
+            batch = {key: torch.stack([torch.as_tensor(s[key]) for s in samples])
+                     for key in ("tokens", "labels", "loss_mask")}
+            for key in ("tokens", "labels"):
+                ids = batch[key]
+                if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab_size):
+                    bad = ids[(ids < 0) | (ids >= vocab_size)][0]
+                    raise ValueError(f"iteration {iteration + 1}: samples {first}..{first + mbs - 1} hold {key} id "
+                                     f"{int(bad)}, outside the vocabulary [0, {vocab_size}); the data does not "
+                                     "match the tokenizer")
+            yield batch

@@ -2,25 +2,41 @@
 
 The parent imports Megatron-Core once (~6 s and ~360 MB per process otherwise)
 and forks the ranks, each with torchrun's environment (RANK, WORLD_SIZE,
-LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR/PORT) and one compute thread. If any
-rank fails, the others get ``FAILURE_GRACE_SECONDS`` to report and exit, then are
-stopped, and the first failing exit status is returned, so a bad run never hangs. GPU runs use torchrun instead.
+LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR/PORT) and one compute thread.
+
+The parent is the run's watchdog, as torchrun's elastic agent is for GPU runs:
+- when a rank exits non-zero or is killed, it prints which rank failed, how, and
+  where (iteration and phase, from ``progress``'s shared array); the other ranks
+  get ``--rank-failure-grace-seconds`` to report their own error and exit, then
+  are killed (SIGKILL); it returns the failed rank's status (128 + signal for a
+  killed rank, as a shell reports it), so a bad run never hangs;
+- each rank is the leader of its own process group, and every group is killed at
+  the end, so no helper a rank started (e.g. dist_checkpointing's Manager) survives;
+  a rank is also SIGKILLed by the kernel if the launcher itself dies (Linux
+  ``PR_SET_PDEATHSIG``);
+- SIGTERM, SIGUSR1, SIGUSR2, SIGINT and SIGHUP sent to the parent are forwarded to
+  every rank (with ``--exit-signal-handler`` the ranks then save and exit 0).
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import multiprocessing
 import os
+import signal
 import socket
 import sys
 import time
-from typing import Callable
+from typing import Callable, List, Optional
 
-__all__ = ["launched_by_torchrun", "spawn_local_ranks", "FAILURE_GRACE_SECONDS"]
+from megatron_hsap.training import progress
 
-#: After the first rank fails, seconds the others get to exit on their own before they are stopped.
-FAILURE_GRACE_SECONDS = 10.0
+__all__ = ["launched_by_torchrun", "spawn_local_ranks", "FORWARDED_SIGNALS"]
+
+#: Signals the launcher passes on to every rank.
+FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2, signal.SIGINT, signal.SIGHUP)
+_POLL_SECONDS = 0.05
 
 
 def launched_by_torchrun() -> bool:
@@ -33,38 +49,115 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _die_with_parent(parent: int) -> None:
+    """Ask Linux to SIGKILL this process when the launcher dies (no-op elsewhere)."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != parent:  # the launcher died before the request took effect
+        os._exit(128 + signal.SIGKILL)
+
+
 def _rank_main(rank: int, nproc: int, port: int, main: Callable[[argparse.Namespace], int],
-               args: argparse.Namespace) -> None:
+               args: argparse.Namespace, shared_progress: object, parent: int) -> None:
+    os.setpgid(0, 0)  # own process group: the launcher can kill the rank with everything it started
+    _die_with_parent(parent)
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(nproc), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(nproc),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
                       OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+    progress.share(shared_progress, rank)
     # sys.exit (not os._exit) so multiprocessing's exit hooks stop helper processes, e.g. the
     # Manager dist_checkpointing starts, which would otherwise outlive the run holding its pipes.
     sys.exit(main(args))
 
 
-def spawn_local_ranks(nproc: int, main: Callable[[argparse.Namespace], int], args: argparse.Namespace) -> int:
-    """Run ``main(args)`` on ``nproc`` forked ranks; returns the first non-zero exit code (or 0)."""
+def _how(exitcode: int) -> str:
+    if exitcode < 0:
+        return f"was killed by {signal.Signals(-exitcode).name}"
+    return f"exited with status {exitcode}"
+
+
+def _shell_status(exitcode: int) -> int:
+    """A child's exit code as a shell reports it (128 + N for a child killed by signal N)."""
+    return 128 - exitcode if exitcode < 0 else exitcode
+
+
+def _kill_group(pid: Optional[int], sig: int) -> None:
+    if pid is None:
+        return
+    try:
+        os.killpg(pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _say(message: str) -> None:
+    print(f"pretrain_gpt_hsap.py: {message}", file=sys.stderr, flush=True)
+
+
+def spawn_local_ranks(nproc: int, main: Callable[[argparse.Namespace], int], args: argparse.Namespace,
+                      grace_seconds: float) -> int:
+    """Run ``main(args)`` on ``nproc`` forked ranks and watch them; returns 0 or the first failure's status.
+
+    grace_seconds: after the first rank fails, how long the others may take to exit on their own.
+    """
     import megatron.core.models.gpt  # noqa: F401  (warm the import for the forked ranks)
 
     ctx = multiprocessing.get_context("fork")
     port = _free_port()
-    procs = [ctx.Process(target=_rank_main, args=(rank, nproc, port, main, args)) for rank in range(nproc)]
+    shared = ctx.Array("d", progress.FIELDS * nproc, lock=False)
+    procs = [ctx.Process(target=_rank_main, args=(rank, nproc, port, main, args, shared, os.getpid()))
+             for rank in range(nproc)]
     for p in procs:
         p.start()
-    status, deadline = 0, None
-    try:
-        while any(p.exitcode is None for p in procs):
-            failed = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
-            if failed and deadline is None:  # let the others report their own error, then stop them
-                status, deadline = failed[0], time.monotonic() + FAILURE_GRACE_SECONDS
-            if deadline is not None and time.monotonic() > deadline:
-                break
-            time.sleep(0.1)
-    finally:
+    for p in procs:  # also here: a signal may come before a child ran its own setpgid
+        try:
+            os.setpgid(p.pid, p.pid)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+    def forward(signum: int, _frame: object) -> None:
         for p in procs:
             if p.exitcode is None:
-                p.terminate()
+                _kill_group(p.pid, signum)
+
+    previous = {s: signal.signal(s, forward) for s in FORWARDED_SIGNALS}
+    try:
+        return _watch(procs, shared, grace_seconds)
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
         for p in procs:
+            _kill_group(p.pid, signal.SIGKILL)
             p.join()
-    return status or next((p.exitcode for p in procs if p.exitcode), 0)
+
+
+def _watch(procs: List[multiprocessing.process.BaseProcess], shared: object, grace_seconds: float) -> int:
+    failed_at, status = None, 0
+    while any(p.exitcode is None for p in procs):
+        if failed_at is None:
+            failed = [(rank, p) for rank, p in enumerate(procs) if p.exitcode not in (None, 0)]
+            if failed:
+                # The cause, when several failed since the last poll: a rank killed by a signal (it recorded
+                # nothing), else the one that caught its error first (the others' errors are consequences).
+                rank, p = min(failed, key=lambda rp: (rp[1].exitcode > 0, progress.failed_at(shared, rp[0])))
+                failed_at, status = time.monotonic(), _shell_status(p.exitcode)
+                running = sum(q.exitcode is None for q in procs)
+                also = "".join(f"; rank {r} {_how(q.exitcode)} after it" for r, q in failed if r != rank)
+                _say(f"rank {rank} (pid {p.pid}) {_how(p.exitcode)} during {progress.describe_shared(shared, rank)}"
+                     f"{also}; stopping the job: {running} other rank(s) get {grace_seconds:g} s to exit, "
+                     "then are killed")
+        elif time.monotonic() > failed_at + grace_seconds:
+            for rank, p in enumerate(procs):
+                if p.exitcode is None:
+                    _say(f"rank {rank} (pid {p.pid}) still running {grace_seconds:g} s after the failure, during "
+                         f"{progress.describe_shared(shared, rank)}; killing it")
+                    _kill_group(p.pid, signal.SIGKILL)
+            for p in procs:
+                p.join()
+            break
+        time.sleep(_POLL_SECONDS)
+    if failed_at is not None:
+        _say(f"all ranks stopped {time.monotonic() - failed_at:.2f} s after the first failure")
+    return status or next((_shell_status(p.exitcode) for p in procs if p.exitcode), 0)

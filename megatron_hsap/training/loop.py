@@ -5,6 +5,11 @@ its own tokens and divides by the token count of the *whole* micro-batch (known
 on every rank without communication). Megatron's schedule multiplies by the CP
 size and DDP averages gradients over the data-and-context-parallel group, so the
 gradient equals the CP=1 gradient; the logged loss sums the CP parts.
+
+Failures (docs/training.md, "Failures and preemption"): the phase and iteration
+are recorded in ``progress`` for error messages; NaN/Inf stop the run before the
+optimizer step (``nonfinite``); exit signals and time limits save and stop all
+ranks together at an iteration boundary (``preemption``).
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from typing import Any, Dict, Iterator, List, Tuple
 import torch
 import torch.distributed as dist
 
+from megatron_hsap.training import fault_injection, progress
 from megatron_hsap.training.arguments import cp_config_from_args
 from megatron_hsap.training.iteration_log import IterationLogger, IterationRecord, peak_memory_bytes
 from megatron_hsap.training.packing import PackedMicroBatch, pack_micro_batch
@@ -35,6 +41,7 @@ def _init_distributed(args: argparse.Namespace) -> None:
     else:
         torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", 1))))
     dist.init_process_group(backend=backend, timeout=datetime.timedelta(minutes=args.distributed_timeout_minutes))
+    progress.set_phase("start-up")
 
 
 def _check_heads(args: argparse.Namespace, topology: Any) -> None:
@@ -54,9 +61,12 @@ def _packed_iterator(batches: Iterator[Dict[str, torch.Tensor]], eod: int, split
         yield pack_micro_batch(batch, eod, split_at_eod, topology, layout)
 
 
-def _loss_func(mb: PackedMicroBatch, cp_group: Any, output_tensor: torch.Tensor) -> Tuple[torch.Tensor, Dict]:
+def _loss_func(mb: PackedMicroBatch, cp_group: Any, nan_check: Any, output_tensor: torch.Tensor
+               ) -> Tuple[torch.Tensor, Dict]:
     """Per-token losses ``[1, t_local]`` -> this rank's share of the micro-batch mean loss (see module doc)."""
     local_sum = torch.sum(output_tensor.float().view(-1) * mb.loss_mask.view(-1))
+    if nan_check is not None:
+        nan_check.record_loss(local_sum)
     denominator = max(mb.num_loss_tokens, 1)
     reported = local_sum.detach().clone()
     if cp_group is not None and dist.get_world_size(cp_group) > 1:
@@ -64,10 +74,18 @@ def _loss_func(mb: PackedMicroBatch, cp_group: Any, output_tensor: torch.Tensor)
     return local_sum / denominator, {"lm loss": reported / denominator}
 
 
-def _forward_step(cp_group: Any, data_iterator: Iterator[PackedMicroBatch], model: Any) -> Tuple[torch.Tensor, Any]:
+def _forward_step(cp_group: Any, nan_check: Any, all_chunks: List[Any], data_iterator: Iterator[PackedMicroBatch],
+                  model: Any) -> Tuple[torch.Tensor, Any]:
     mb = next(data_iterator)
+    fault_injection.inject("forward", progress.current_iteration(), model=all_chunks, loss_mask=mb.loss_mask)
     output = model(mb.tokens, mb.position_ids, None, labels=mb.labels, packed_seq_params=mb.packed_seq_params)
-    return output, partial(_loss_func, mb, cp_group)
+    return output, partial(_loss_func, mb, cp_group, nan_check)
+
+
+def _check_then_finalize(nan_check: Any, finalize: Any, *args: Any, **kwargs: Any) -> Any:
+    """Megatron's ``finalize_model_grads`` (DP/CP gradient reduction), after looking at this rank's own grads."""
+    nan_check.check_grads()
+    return finalize(*args, **kwargs)
 
 
 def _reduce_loss(losses: List[Dict[str, torch.Tensor]]) -> float:
@@ -118,17 +136,23 @@ def _setup(args: argparse.Namespace) -> Tuple[Any, ...]:
 def pretrain(args: argparse.Namespace) -> List[IterationRecord]:
     """Train per ``args`` (already validated by ``parse_args``); returns rank 0's iteration records."""
     from megatron_hsap.parallel_state import destroy_model_parallel
+    from megatron_hsap.training.preemption import ExitSignalHandler
 
+    started = time.time()
+    signals = ExitSignalHandler(args.exit_signal) if args.exit_signal_handler else None
     _init_distributed(args)
     # No collective teardown when _train raises: the other ranks may be anywhere (a rank that
     # waited for them in destroy_process_group could hang); exiting the process frees the group.
-    records = _train(args)
+    records = _train(args, signals, started)
+    progress.set_phase("finished")
     destroy_model_parallel()
     dist.destroy_process_group()
+    if signals is not None:
+        signals.restore()
     return records
 
 
-def _train(args: argparse.Namespace) -> List[IterationRecord]:
+def _train(args: argparse.Namespace, signals: Any, started: float) -> List[IterationRecord]:
     from megatron.core.distributed import finalize_model_grads
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
@@ -138,6 +162,8 @@ def _train(args: argparse.Namespace) -> List[IterationRecord]:
     from megatron_hsap.training.checkpoint import load_checkpoint, save_checkpoint
     from megatron_hsap.training.data import build_train_dataset, micro_batches
     from megatron_hsap.training.model import build_model, transformer_config
+    from megatron_hsap.training.nonfinite import NonFiniteCheck
+    from megatron_hsap.training.preemption import exit_reason
     from megatron_hsap.training.tokenizer import build_tokenizer
 
     topology, mpu = _setup(args)
@@ -161,11 +187,16 @@ def _train(args: argparse.Namespace) -> List[IterationRecord]:
         wd_incr_steps=args.train_iters * args.global_batch_size, wd_incr_style="constant")
     start = 0
     if args.load is not None:
-        start = load_checkpoint(args.load, model, optimizer, scheduler, load_optimizer=not args.no_load_optim)
-        log.info(f"loaded checkpoint from {args.load} at iteration {start}")
+        progress.set_phase("loading checkpoint")
+        start = load_checkpoint(args.load, model, optimizer, scheduler, load_optimizer=not args.no_load_optim,
+                                log=log.info)
+        if start:
+            log.info(f"loaded checkpoint from {args.load} at iteration {start}")
 
+    nan_check = NonFiniteCheck(model) if args.check_for_nan_in_loss_and_grad else None
     config.grad_scale_func = optimizer.scale_loss
-    config.finalize_model_grads_func = finalize_model_grads
+    config.finalize_model_grads_func = (finalize_model_grads if nan_check is None else
+                                        partial(_check_then_finalize, nan_check, finalize_model_grads))
     config.no_sync_func = [m.no_sync for m in model] if len(model) > 1 else model[0].no_sync
     layout = cp_config.resolved_layout
     log.info(f"megatron-hsap: world {args.world_size} = TP {args.tensor_model_parallel_size} x PP "
@@ -175,22 +206,29 @@ def _train(args: argparse.Namespace) -> List[IterationRecord]:
              f"on rank 0")
 
     # One iterator per model chunk: the interleaved schedule reads each micro-batch once per chunk.
-    iterators = [_packed_iterator(micro_batches(dataset, args, mpu.get_data_parallel_rank(), start), tokenizer.eod,
+    iterators = [_packed_iterator(micro_batches(dataset, args, mpu.get_data_parallel_rank(), start,
+                                                tokenizer.vocab_size), tokenizer.eod,
                                   args.reset_attention_mask, topology, layout) for _ in model]
     data_iterator = iterators if len(model) > 1 else iterators[0]
     forward_backward = get_forward_backward_func()
-    step = partial(_forward_step, mpu.get_context_parallel_group())
+    step = partial(_forward_step, mpu.get_context_parallel_group(), nan_check, model)
+    device = nan_check.device if nan_check is not None else next(model[0].parameters()).device
+    check_exit = signals is not None or args.exit_duration_in_mins is not None
     tokens_per_iter = args.global_batch_size * args.seq_length
     records: List[IterationRecord] = []
     for iteration in range(start + 1, args.train_iters + 1):
         for chunk in model:
             chunk.zero_grad_buffer()
         optimizer.zero_grad()
+        progress.set_phase("forward-backward", iteration)
         before, t0 = comm_stats(), time.perf_counter()
         losses = forward_backward(forward_step_func=step, data_iterator=data_iterator, model=model,
                                   num_microbatches=args.num_microbatches,
                                   seq_length=args.micro_batch_size * args.seq_length, micro_batch_size=1,
                                   forward_only=False)
+        progress.set_phase("optimizer step", iteration)
+        if nan_check is not None:
+            nan_check.raise_if_found(iteration)
         update_ok, grad_norm, _ = optimizer.step()
         if not update_ok:
             raise RuntimeError(f"iteration {iteration}: optimizer step skipped (non-finite gradients)")
@@ -208,10 +246,16 @@ def _train(args: argparse.Namespace) -> List[IterationRecord]:
         records.append(record)
         if iteration % args.log_interval == 0 or iteration == args.train_iters:
             log.log(record)
-        stop = iteration == args.train_iters or iteration == args.exit_interval
+        reason = exit_reason(signals, started, args.exit_duration_in_mins, device) if check_exit else ""
+        if args.exit_interval and iteration % args.exit_interval == 0:
+            reason = reason or f"--exit-interval {args.exit_interval}"
+        stop = iteration == args.train_iters or bool(reason)
         if args.save is not None and ((args.save_interval and iteration % args.save_interval == 0) or stop):
+            progress.set_phase("saving checkpoint", iteration)
             save_checkpoint(args.save, iteration, model, optimizer, scheduler)
             log.info(f"saved checkpoint at iteration {iteration} to {args.save}")
+        if reason:
+            log.info(f"exiting after iteration {iteration}: {reason}")
         if stop:
             break
     if records:

@@ -1,0 +1,82 @@
+"""Integrity checks of Megatron indexed datasets (``prefix.bin`` + ``prefix.idx``) before training reads them.
+
+Megatron-Core memory-maps the files and trusts the index: a truncated ``.bin``, an
+index of another dtype than the data, or token ids beyond the vocabulary would
+crash deep inside numpy or the embedding, or train silently on garbage. These
+checks read only the index and the file sizes (``check_indexed_dataset``, every
+rank, before any process group exists) or scan the tokens once
+(``token_id_range``, one rank, before training).
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+from typing import Tuple
+
+import numpy
+
+__all__ = ["check_indexed_dataset", "token_id_range", "check_token_ids"]
+
+_HEADER = b"MMIDIDX\x00\x00"
+_HEADER_BYTES = 34  # magic (9) + version (8) + dtype code (1) + sequence count (8) + document count (8)
+_DTYPES = {1: numpy.uint8, 2: numpy.int8, 3: numpy.int16, 4: numpy.int32, 5: numpy.int64, 6: numpy.float64,
+           7: numpy.float32, 8: numpy.uint16}
+_SCAN_TOKENS = 1 << 24  # tokens per chunk of the vocabulary scan
+
+
+def check_indexed_dataset(prefix: str) -> numpy.dtype:
+    """The token dtype of ``prefix``; ValueError naming the file when the index or the data is damaged."""
+    idx, data = prefix + ".idx", prefix + ".bin"
+    idx_bytes = os.path.getsize(idx)
+    with open(idx, "rb") as f:
+        head = f.read(_HEADER_BYTES)
+    if len(head) < _HEADER_BYTES or head[:9] != _HEADER:
+        problem = "truncated header" if len(head) < _HEADER_BYTES else "bad magic bytes"
+        raise ValueError(f"{idx} is not a Megatron indexed-dataset index ({problem}); rebuild it with "
+                         "tools/preprocess_data.py")
+    version, code, sequences, documents = struct.unpack("<QBQQ", head[9:])
+    if version != 1 or code not in _DTYPES:
+        raise ValueError(f"{idx}: unsupported index (version {version}, dtype code {code})")
+    dtype = numpy.dtype(_DTYPES[code])
+    if dtype.kind == "f":
+        raise ValueError(f"{idx}: token dtype {dtype} is not an integer type")
+    expected = _HEADER_BYTES + 12 * sequences + 8 * documents
+    if idx_bytes not in (expected, expected + sequences):  # + one mode byte per sequence for multimodal data
+        raise ValueError(f"{idx} is {idx_bytes} bytes but its header describes {sequences} sequences and "
+                         f"{documents} document boundaries ({expected} bytes): the index is truncated or damaged")
+    data_bytes = os.path.getsize(data)
+    needed = 0
+    if sequences:
+        last_size = numpy.fromfile(idx, dtype=numpy.int32, count=1, offset=_HEADER_BYTES + 4 * (sequences - 1))[0]
+        last_pointer = numpy.fromfile(idx, dtype=numpy.int64, count=1,
+                                      offset=_HEADER_BYTES + 4 * sequences + 8 * (sequences - 1))[0]
+        needed = int(last_pointer) + int(last_size) * dtype.itemsize
+    if data_bytes != needed:
+        hint = "truncated" if data_bytes < needed else "longer than its index"
+        for other in (1, 2, 4, 8):
+            if other != dtype.itemsize and data_bytes * dtype.itemsize == needed * other:
+                hint = (f"its size fits {other}-byte tokens: written with another dtype than the index's "
+                        f"{dtype.name}?")
+        raise ValueError(f"{data} is {data_bytes} bytes but {idx} describes {sequences} sequences of {dtype.name} "
+                         f"tokens ending at byte {needed} ({hint}); rebuild both with tools/preprocess_data.py")
+    return dtype
+
+
+def token_id_range(prefix: str) -> Tuple[int, int]:
+    """Smallest and largest token id in ``prefix.bin`` (a chunked scan of the whole file; (0, -1) if empty)."""
+    dtype = check_indexed_dataset(prefix)
+    tokens = numpy.memmap(prefix + ".bin", dtype=dtype, mode="r")
+    if len(tokens) == 0:
+        return 0, -1
+    chunks = [tokens[start:start + _SCAN_TOKENS] for start in range(0, len(tokens), _SCAN_TOKENS)]
+    return min(int(c.min()) for c in chunks), max(int(c.max()) for c in chunks)
+
+
+def check_token_ids(prefix: str, vocab_size: int) -> None:
+    """ValueError naming the dataset when a token id of ``prefix`` is negative or >= ``vocab_size``."""
+    low, high = token_id_range(prefix)
+    if high >= vocab_size or low < 0:
+        bad = high if high >= vocab_size else low
+        raise ValueError(f"{prefix}.bin holds token id {bad}, outside the tokenizer's vocabulary [0, {vocab_size}) "
+                         "(--vocab-size / --tokenizer-type): the data was tokenized with another vocabulary")

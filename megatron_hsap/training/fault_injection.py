@@ -1,0 +1,71 @@
+"""TEST-ONLY fault injection for the failure tests (tests/test_fault_tolerance.py); inert unless the variable is set.
+
+``HSAP_TEST_FAULT="<kind>@<rank>:<iteration>[,...]"`` makes rank ``<rank>`` misbehave
+at iteration ``<iteration>``:
+
+| kind | where | what |
+|---|---|---|
+| ``kill`` | forward | SIGKILL itself (a crash that leaves no message) |
+| ``raise`` | forward | raise RuntimeError (an exception in one rank's forward) |
+| ``SIGTERM``, ``SIGUSR1`` | forward | send itself the signal (preemption) |
+| ``nan-attention`` | forward | write NaN into the last local layer's ``linear_qkv`` weight |
+| ``nan-loss`` | forward | write NaN into the micro-batch's loss mask |
+| ``kill-in-save`` | save | SIGKILL itself after writing its checkpoint shards, before the save completes |
+
+Not a user feature: it exists so that tests exercise real failures (a real SIGKILL,
+a real signal, a real NaN) at a deterministic point.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from typing import Any, List, Optional, Tuple
+
+__all__ = ["ENV", "inject", "planned"]
+
+ENV = "HSAP_TEST_FAULT"
+_WHERE = {"kill": "forward", "raise": "forward", "SIGTERM": "forward", "SIGUSR1": "forward",
+          "nan-attention": "forward", "nan-loss": "forward", "kill-in-save": "save"}
+
+
+def _parse(text: str) -> List[Tuple[str, int, int]]:
+    faults = []
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        try:
+            kind, at = item.split("@")
+            rank, iteration = (int(x) for x in at.split(":"))
+        except ValueError as err:
+            raise ValueError(f"{ENV}: cannot parse {item!r}; expected <kind>@<rank>:<iteration>") from err
+        if kind not in _WHERE:
+            raise ValueError(f"{ENV}: unknown kind {kind!r}; allowed: {', '.join(_WHERE)}")
+        faults.append((kind, rank, iteration))
+    return faults
+
+
+def planned(point: str, iteration: int) -> List[str]:
+    """The fault kinds planned for this rank at ``point`` ('forward' or 'save') of ``iteration``."""
+    text = os.environ.get(ENV)
+    if not text:
+        return []
+    rank = int(os.environ.get("RANK", "0"))
+    return [k for k, r, i in _parse(text) if r == rank and i == iteration and _WHERE[k] == point]
+
+
+def inject(point: str, iteration: int, model: Optional[List[Any]] = None, loss_mask: Any = None) -> None:
+    """Carry out the faults planned here (see the module doc); a no-op without ``HSAP_TEST_FAULT``."""
+    for kind in planned(point, iteration):
+        if kind in ("kill", "kill-in-save"):
+            os.kill(os.getpid(), signal.SIGKILL)
+        elif kind == "raise":
+            raise RuntimeError(f"{ENV}: injected exception in the forward step of iteration {iteration}")
+        elif kind in ("SIGTERM", "SIGUSR1"):
+            os.kill(os.getpid(), getattr(signal, kind))
+        elif kind == "nan-loss":
+            loss_mask.fill_(float("nan"))
+        elif kind == "nan-attention":
+            import torch
+
+            layers = [m for chunk in model for name, m in chunk.named_modules() if name.endswith("self_attention")]
+            with torch.no_grad():
+                layers[-1].linear_qkv.weight.view(-1)[0] = float("nan")

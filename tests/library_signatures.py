@@ -1,0 +1,269 @@
+"""Signatures of the GPU libraries' functions the 'flash' and 'te' kernels call, per release.
+
+Transcribed from the libraries' public source at each release tag (signatures only, as data):
+- TransformerEngine (github.com/NVIDIA/TransformerEngine), ``transformer_engine/pytorch/cpp_extensions/
+  fused_attn.py``: ``fused_attn_fwd`` / ``fused_attn_bwd`` and whether the module has ``SoftmaxType``
+  (2.8 on); ``transformer_engine/pytorch/csrc/extensions.h``: the positional arguments (space-separated
+  names) of the pybind11 function ``get_fused_attn_backend``, TE's backend query.
+- flash-attn (github.com/Dao-AILab/flash-attention), ``flash_attn/flash_attn_interface.py``:
+  ``flash_attn_varlen_func`` and ``_flash_attn_varlen_backward``; from 2.7.0 the latter is a
+  ``torch.library.custom_op`` (``custom_op``) and returns ``softmax_d`` alone instead of
+  ``(dq, dk, dv, softmax_d)``.
+
+tests/test_gpu_signatures.py builds fake libraries with exactly these signatures, so a change in what
+the kernels pass (or a release they do not handle) fails on CPU.
+"""
+
+TE_RELEASES = {
+    "2.0": dict(
+        softmax_type=False,
+        get_fused_attn_backend=(
+            'q_dtype kv_dtype qkv_layout bias_type attn_mask_type p_dropout num_attn_heads '
+            'num_gqa_groups max_seqlen_q max_seqlen_kv head_dim_qk head_dim_v window_size_left '
+            'window_size_right'),
+        fused_attn_fwd=(
+            '(is_training, max_seqlen_q, max_seqlen_kv, cu_seqlens_q, cu_seqlens_kv, q, k, v, fake_dtype, '
+            'fused_attention_backend, attn_bias=None, cu_seqlens_q_padded=None, '
+            'cu_seqlens_kv_padded=None, s_quantizer=None, o_quantizer=None, attn_scale=None, dropout=0.0, '
+            "fast_zero_fill=True, qkv_layout='sbh3d', attn_bias_type='no_bias', attn_mask_type='padding', "
+            'window_size=(-1, -1), rng_gen=None)'),
+        fused_attn_bwd=(
+            '(max_seqlen_q, max_seqlen_kv, cu_seqlens_q, cu_seqlens_kv, q, k, v, o, d_o, fake_dtype, '
+            'dqkv_dtype, aux_ctx_tensors, fused_attention_backend, cu_seqlens_q_padded=None, '
+            'cu_seqlens_kv_padded=None, s_quantizer=None, dp_quantizer=None, dqkv_quantizer=None, '
+            "attn_scale=None, dropout=0.0, fast_zero_fill=True, qkv_layout='sbh3d', "
+            "attn_bias_type='no_bias', attn_mask_type='padding', window_size=(-1, -1), "
+            'deterministic=False)'),
+    ),
+    "2.2": dict(
+        softmax_type=False,
+        get_fused_attn_backend=(
+            'q_dtype kv_dtype qkv_layout bias_type attn_mask_type p_dropout num_attn_heads '
+            'num_gqa_groups max_seqlen_q max_seqlen_kv head_dim_qk head_dim_v window_size_left '
+            'window_size_right'),
+        fused_attn_fwd=(
+            '(is_training, max_seqlen_q, max_seqlen_kv, cu_seqlens_q, cu_seqlens_kv, q, k, v, fake_dtype, '
+            'fused_attention_backend, attn_bias=None, cu_seqlens_q_padded=None, '
+            'cu_seqlens_kv_padded=None, page_table_k=None, page_table_v=None, s_quantizer=None, '
+            "o_quantizer=None, attn_scale=None, dropout=0.0, fast_zero_fill=True, qkv_layout='sbh3d', "
+            "attn_bias_type='no_bias', attn_mask_type='padding', window_size=(-1, -1), rng_gen=None)"),
+        fused_attn_bwd=(
+            '(max_seqlen_q, max_seqlen_kv, cu_seqlens_q, cu_seqlens_kv, q, k, v, o, d_o, fake_dtype, '
+            'dqkv_dtype, aux_ctx_tensors, fused_attention_backend, cu_seqlens_q_padded=None, '
+            'cu_seqlens_kv_padded=None, s_quantizer=None, dp_quantizer=None, dqkv_quantizer=None, '
+            "attn_scale=None, dropout=0.0, fast_zero_fill=True, qkv_layout='sbh3d', "
+            "attn_bias_type='no_bias', attn_mask_type='padding', window_size=(-1, -1), "
+            'deterministic=False)'),
+    ),
+    "2.5": dict(
+        softmax_type=False,
+        get_fused_attn_backend=(
+            'is_training q_dtype kv_dtype qkv_layout bias_type attn_mask_type p_dropout num_attn_heads '
+            'num_gqa_groups max_seqlen_q max_seqlen_kv head_dim_qk head_dim_v window_size_left '
+            'window_size_right'),
+        fused_attn_fwd=(
+            '(is_training, max_seqlen_q, max_seqlen_kv, cu_seqlens_q, cu_seqlens_kv, q, k, v, fake_dtype, '
+            'fused_attention_backend, attn_bias=None, cu_seqlens_q_padded=None, '
+            'cu_seqlens_kv_padded=None, page_table_k=None, page_table_v=None, s_quantizer=None, '
+            "o_quantizer=None, attn_scale=None, dropout=0.0, fast_zero_fill=True, qkv_layout='sbh3d', "
+            "attn_bias_type='no_bias', attn_mask_type='padding', window_size=(-1, -1), rng_gen=None)"),
+        fused_attn_bwd=(
+            '(max_seqlen_q, max_seqlen_kv, cu_seqlens_q, cu_seqlens_kv, q, k, v, o, d_o, fake_dtype, '
+            'dqkv_dtype, aux_ctx_tensors, fused_attention_backend, cu_seqlens_q_padded=None, '
+            'cu_seqlens_kv_padded=None, s_quantizer=None, dp_quantizer=None, dqkv_quantizer=None, '
+            "attn_scale=None, dropout=0.0, fast_zero_fill=True, qkv_layout='sbh3d', "
+            "attn_bias_type='no_bias', attn_mask_type='padding', window_size=(-1, -1), "
+            'deterministic=False)'),
+    ),
+    "2.8": dict(
+        softmax_type=True,
+        get_fused_attn_backend=(
+            'is_training q_dtype kv_dtype qkv_layout bias_type attn_mask_type softmax_type p_dropout '
+            'num_attn_heads num_gqa_groups max_seqlen_q max_seqlen_kv head_dim_qk head_dim_v '
+            'window_size_left window_size_right'),
+        fused_attn_fwd=(
+            '(is_training, max_seqlen_q, max_seqlen_kv, cu_seqlens_q, cu_seqlens_kv, q, k, v, fake_dtype, '
+            'fused_attention_backend, attn_bias=None, cu_seqlens_q_padded=None, '
+            'cu_seqlens_kv_padded=None, page_table_k=None, page_table_v=None, s_quantizer=None, '
+            "o_quantizer=None, attn_scale=None, dropout=0.0, fast_zero_fill=True, qkv_layout='sbh3d', "
+            "attn_bias_type='no_bias', attn_mask_type='padding', softmax_type='vanilla', window_size=(-1, "
+            '-1), rng_gen=None, softmax_offset=None)'),
+        fused_attn_bwd=(
+            '(max_seqlen_q, max_seqlen_kv, cu_seqlens_q, cu_seqlens_kv, q, k, v, o, d_o, fake_dtype, '
+            'dqkv_dtype, aux_ctx_tensors, fused_attention_backend, cu_seqlens_q_padded=None, '
+            'cu_seqlens_kv_padded=None, s_quantizer=None, dp_quantizer=None, dqkv_quantizer=None, '
+            "attn_scale=None, dropout=0.0, fast_zero_fill=True, qkv_layout='sbh3d', "
+            "attn_bias_type='no_bias', attn_mask_type='padding', softmax_type='vanilla', window_size=(-1, "
+            '-1), deterministic=False)'),
+    ),
+    "2.9": dict(
+        softmax_type=True,
+        get_fused_attn_backend=(
+            'is_training q_dtype kv_dtype qkv_layout bias_type attn_mask_type softmax_type p_dropout '
+            'num_attn_heads num_gqa_groups max_seqlen_q max_seqlen_kv head_dim_qk head_dim_v '
+            'window_size_left window_size_right return_max_logit'),
+        fused_attn_fwd=(
+            '(is_training, max_seqlen_q, max_seqlen_kv, cu_seqlens_q, cu_seqlens_kv, q, k, v, fake_dtype, '
+            'fused_attention_backend, attn_bias=None, cu_seqlens_q_padded=None, '
+            'cu_seqlens_kv_padded=None, page_table_k=None, page_table_v=None, s_quantizer=None, '
+            "o_quantizer=None, attn_scale=None, dropout=0.0, fast_zero_fill=True, qkv_layout='sbh3d', "
+            "attn_bias_type='no_bias', attn_mask_type='padding', softmax_type='vanilla', window_size=(-1, "
+            '-1), rng_gen=None, softmax_offset=None, return_max_logit=False)'),
+        fused_attn_bwd=(
+            '(max_seqlen_q, max_seqlen_kv, cu_seqlens_q, cu_seqlens_kv, q, k, v, o, d_o, fake_dtype, '
+            'dqkv_dtype, aux_ctx_tensors, fused_attention_backend, cu_seqlens_q_padded=None, '
+            'cu_seqlens_kv_padded=None, s_quantizer=None, dp_quantizer=None, dqkv_quantizer=None, '
+            "attn_scale=None, dropout=0.0, fast_zero_fill=True, qkv_layout='sbh3d', "
+            "attn_bias_type='no_bias', attn_mask_type='padding', softmax_type='vanilla', window_size=(-1, "
+            '-1), deterministic=False)'),
+    ),
+    "2.10": dict(
+        softmax_type=True,
+        get_fused_attn_backend=(
+            'is_training q_dtype kv_dtype qkv_layout bias_type attn_mask_type softmax_type p_dropout '
+            'num_attn_heads num_gqa_groups max_seqlen_q max_seqlen_kv head_dim_qk head_dim_v '
+            'window_size_left window_size_right return_max_logit cuda_graph'),
+        fused_attn_fwd=(
+            '(is_training, max_seqlen_q, max_seqlen_kv, cu_seqlens_q, cu_seqlens_kv, q, k, v, fake_dtype, '
+            'fused_attention_backend, attn_bias=None, cu_seqlens_q_padded=None, '
+            'cu_seqlens_kv_padded=None, page_table_k=None, page_table_v=None, s_quantizer=None, '
+            "o_quantizer=None, attn_scale=None, dropout=0.0, fast_zero_fill=True, qkv_layout='sbh3d', "
+            "attn_bias_type='no_bias', attn_mask_type='padding', softmax_type='vanilla', window_size=(-1, "
+            '-1), rng_gen=None, softmax_offset=None, return_max_logit=False, cuda_graph=False)'),
+        fused_attn_bwd=(
+            '(max_seqlen_q, max_seqlen_kv, cu_seqlens_q, cu_seqlens_kv, q, k, v, o, d_o, fake_dtype, '
+            'dqkv_dtype, aux_ctx_tensors, fused_attention_backend, cu_seqlens_q_padded=None, '
+            'cu_seqlens_kv_padded=None, s_quantizer=None, dp_quantizer=None, dqkv_quantizer=None, '
+            "attn_scale=None, dropout=0.0, fast_zero_fill=True, qkv_layout='sbh3d', "
+            "attn_bias_type='no_bias', attn_mask_type='padding', softmax_type='vanilla', window_size=(-1, "
+            '-1), deterministic=False, cuda_graph=False)'),
+    ),
+    "2.12": dict(
+        softmax_type=True,
+        get_fused_attn_backend=(
+            'is_training q_dtype kv_dtype qkv_layout bias_type attn_mask_type softmax_type p_dropout '
+            'num_attn_heads num_gqa_groups max_seqlen_q max_seqlen_kv head_dim_qk head_dim_v '
+            'window_size_left window_size_right return_max_logit cuda_graph deterministic'),
+        fused_attn_fwd=(
+            '(is_training, max_seqlen_q, max_seqlen_kv, cu_seqlens_q, cu_seqlens_kv, q, k, v, fake_dtype, '
+            'fused_attention_backend, attn_bias=None, cu_seqlens_q_padded=None, '
+            'cu_seqlens_kv_padded=None, page_table_k=None, page_table_v=None, s_quantizer=None, '
+            "o_quantizer=None, attn_scale=None, dropout=0.0, fast_zero_fill=True, qkv_layout='sbh3d', "
+            "attn_bias_type='no_bias', attn_mask_type='padding', softmax_type='vanilla', window_size=(-1, "
+            '-1), bottom_right_diagonal=None, rng_gen=None, softmax_offset=None, return_max_logit=False, '
+            'cuda_graph=False)'),
+        fused_attn_bwd=(
+            '(max_seqlen_q, max_seqlen_kv, cu_seqlens_q, cu_seqlens_kv, q, k, v, o, d_o, fake_dtype, '
+            'dqkv_dtype, aux_ctx_tensors, fused_attention_backend, cu_seqlens_q_padded=None, '
+            'cu_seqlens_kv_padded=None, s_quantizer=None, dp_quantizer=None, dqkv_quantizer=None, '
+            "attn_scale=None, dropout=0.0, fast_zero_fill=True, qkv_layout='sbh3d', "
+            "attn_bias_type='no_bias', attn_mask_type='padding', softmax_type='vanilla', window_size=(-1, "
+            '-1), bottom_right_diagonal=None, deterministic=False, cuda_graph=False)'),
+    ),
+    "2.15": dict(
+        softmax_type=True,
+        get_fused_attn_backend=(
+            'is_training q_dtype kv_dtype qkv_layout bias_type attn_mask_type softmax_type p_dropout '
+            'num_attn_heads num_gqa_groups max_seqlen_q max_seqlen_kv head_dim_qk head_dim_v '
+            'window_size_left window_size_right return_max_logit cuda_graph deterministic'),
+        fused_attn_fwd=(
+            '(is_training, max_seqlen_q, max_seqlen_kv, cu_seqlens_q, cu_seqlens_kv, q, k, v, fake_dtype, '
+            'fused_attention_backend, attn_bias=None, cu_seqlens_q_padded=None, '
+            'cu_seqlens_kv_padded=None, page_table_k=None, page_table_v=None, s_quantizer=None, '
+            "o_quantizer=None, attn_scale=None, dropout=0.0, fast_zero_fill=True, qkv_layout='sbh3d', "
+            "o_format='sbhd', qkv_scale_inv_format=None, attn_bias_type='no_bias', "
+            "attn_mask_type='padding', softmax_type='vanilla', window_size=(-1, -1), "
+            'bottom_right_diagonal=None, rng_gen=None, softmax_offset=None, return_max_logit=False, '
+            'cuda_graph=False)'),
+        fused_attn_bwd=(
+            '(max_seqlen_q, max_seqlen_kv, cu_seqlens_q, cu_seqlens_kv, q, k, v, o, d_o, fake_dtype, '
+            'aux_ctx_tensors, fused_attention_backend, cu_seqlens_q_padded=None, '
+            'cu_seqlens_kv_padded=None, s_quantizer=None, dp_quantizer=None, dqkv_quantizer=None, '
+            "attn_scale=None, dropout=0.0, fast_zero_fill=True, qkv_layout='sbh3d', o_format='sbhd', "
+            "do_format='sbhd', dqkv_layout='sbh3d', qkv_scale_inv_format=None, do_scale_inv_format=None, "
+            "attn_bias_type='no_bias', attn_mask_type='padding', softmax_type='vanilla', window_size=(-1, "
+            '-1), bottom_right_diagonal=None, deterministic=False, cuda_graph=False)'),
+    ),
+    "2.18": dict(
+        softmax_type=True,
+        get_fused_attn_backend=(
+            'is_training q_dtype kv_dtype qkv_layout bias_type attn_mask_type softmax_type p_dropout '
+            'num_attn_heads num_gqa_groups max_seqlen_q max_seqlen_kv head_dim_qk head_dim_v '
+            'window_size_left window_size_right return_max_logit cuda_graph deterministic'),
+        fused_attn_fwd=(
+            '(is_training, max_seqlen_q, max_seqlen_kv, cu_seqlens_q, cu_seqlens_kv, q, k, v, fake_dtype, '
+            'fused_attention_backend, attn_bias=None, cu_seqlens_q_padded=None, '
+            'cu_seqlens_kv_padded=None, page_table_k=None, page_table_v=None, s_quantizer=None, '
+            "o_quantizer=None, attn_scale=None, dropout=0.0, fast_zero_fill=True, qkv_layout='sbh3d', "
+            "o_format='sbhd', qkv_scale_inv_format=None, attn_bias_type='no_bias', "
+            "attn_mask_type='padding', softmax_type='vanilla', window_size=(-1, -1), "
+            'bottom_right_diagonal=None, rng_gen=None, softmax_offset=None, return_max_logit=False, '
+            'cuda_graph=False)'),
+        fused_attn_bwd=(
+            '(max_seqlen_q, max_seqlen_kv, cu_seqlens_q, cu_seqlens_kv, q, k, v, o, d_o, fake_dtype, '
+            'aux_ctx_tensors, fused_attention_backend, cu_seqlens_q_padded=None, '
+            'cu_seqlens_kv_padded=None, s_quantizer=None, dp_quantizer=None, dqkv_quantizer=None, '
+            "attn_scale=None, dropout=0.0, fast_zero_fill=True, qkv_layout='sbh3d', o_format='sbhd', "
+            "do_format='sbhd', dqkv_layout='sbh3d', qkv_scale_inv_format=None, do_scale_inv_format=None, "
+            "attn_bias_type='no_bias', attn_mask_type='padding', softmax_type='vanilla', window_size=(-1, "
+            '-1), bottom_right_diagonal=None, deterministic=False, cuda_graph=False)'),
+    ),
+}
+
+FLASH_RELEASES = {
+    "2.6.0": dict(
+        custom_op=False,
+        flash_attn_varlen_func=(
+            '(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0, '
+            'softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None, '
+            'deterministic=False, return_attn_probs=False, block_table=None)'),
+        _flash_attn_varlen_backward=(
+            '(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, '
+            'max_seqlen_k, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, '
+            'deterministic, rng_state=None)'),
+    ),
+    "2.6.3": dict(
+        custom_op=False,
+        flash_attn_varlen_func=(
+            '(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0, '
+            'softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None, '
+            'deterministic=False, return_attn_probs=False, block_table=None)'),
+        _flash_attn_varlen_backward=(
+            '(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, '
+            'max_seqlen_k, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, '
+            'deterministic, rng_state=None)'),
+    ),
+    "2.7.0": dict(
+        custom_op=True,
+        flash_attn_varlen_func=(
+            '(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0, '
+            'softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None, '
+            'deterministic=False, return_attn_probs=False, block_table=None)'),
+        _flash_attn_varlen_backward=(
+            '(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, '
+            'max_seqlen_k, dropout_p, softmax_scale, causal, window_size_left, window_size_right, '
+            'softcap, alibi_slopes, deterministic, rng_state=None)'),
+    ),
+    "2.7.4": dict(
+        custom_op=True,
+        flash_attn_varlen_func=(
+            '(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0, '
+            'softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None, '
+            'deterministic=False, return_attn_probs=False, block_table=None)'),
+        _flash_attn_varlen_backward=(
+            '(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, '
+            'max_seqlen_k, dropout_p, softmax_scale, causal, window_size_left, window_size_right, '
+            'softcap, alibi_slopes, deterministic, rng_state=None, zero_tensors=False)'),
+    ),
+    "2.8.3": dict(
+        custom_op=True,
+        flash_attn_varlen_func=(
+            '(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0, '
+            'softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None, '
+            'deterministic=False, return_attn_probs=False, block_table=None)'),
+        _flash_attn_varlen_backward=(
+            '(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, '
+            'max_seqlen_k, dropout_p, softmax_scale, causal, window_size_left, window_size_right, '
+            'softcap, alibi_slopes, deterministic, rng_state=None, zero_tensors=False)'),
+    ),
+}
