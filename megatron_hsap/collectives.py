@@ -16,7 +16,7 @@ whether the peer is on the same node, and every post/wait in ``instrumentation.t
 
 from __future__ import annotations
 
-from typing import List, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -30,12 +30,15 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-def all_to_all_member(send: torch.Tensor, topology: CPTopology, op: str) -> torch.Tensor:
+def all_to_all_member(send: torch.Tensor, topology: CPTopology, op: str,
+                      out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """all_to_all over the Ulysses group of a contiguous ``[U, ...]`` tensor: chunk i goes to Ulysses
-    rank i, chunk i of the result came from Ulysses rank i."""
+    rank i, chunk i of the result came from Ulysses rank i. ``out``: an optional preallocated
+    contiguous receive buffer of ``send``'s shape and dtype (returned)."""
     if not send.is_contiguous():
         raise ValueError("all_to_all_member needs a contiguous send buffer")
-    out = torch.empty_like(send)
+    if out is None:
+        out = torch.empty_like(send)
     trace_event("post", op)
     dist.all_to_all_single(out, send, group=topology.ulysses_group)
     me = topology.cp_rank
@@ -48,20 +51,24 @@ def all_to_all_member(send: torch.Tensor, topology: CPTopology, op: str) -> torc
     return out
 
 
-def sequence_to_heads(x: torch.Tensor, topology: CPTopology, op: str = "ulysses_a2a") -> torch.Tensor:
+def sequence_to_heads(x: torch.Tensor, topology: CPTopology, op: str = "ulysses_a2a",
+                      out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``[t_local, U, h_u, d]`` (this rank's tokens, heads grouped by destination) ->
     ``[U * t_local, h_u, d]`` (the member's tokens in CP-rank order, this rank's head group).
-    One copy (into the destination-major send buffer) besides the all-to-all itself."""
+    One copy into the destination-major send buffer, none when ``x`` is the transpose of a
+    contiguous ``[U, t_local, h_u, d]``. ``out``: optional contiguous ``[U * t_local, h_u, d]`` receive buffer."""
     t, u, h, d = x.shape
-    return all_to_all_member(x.transpose(0, 1).contiguous(), topology, op).view(u * t, h, d)
+    recv = None if out is None else out.view(u, t, h, d)
+    return all_to_all_member(x.transpose(0, 1).contiguous(), topology, op, recv).view(u * t, h, d)
 
 
-def heads_to_sequence(x: torch.Tensor, topology: CPTopology, op: str = "ulysses_a2a") -> torch.Tensor:
+def heads_to_sequence(x: torch.Tensor, topology: CPTopology, op: str = "ulysses_a2a",
+                      out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Inverse of ``sequence_to_heads``: ``[U * t_local, h_u, d]`` -> ``[t_local, U, h_u, d]`` (a view
-    of the all-to-all's output)."""
+    of the all-to-all's output; ``out``: optional contiguous ``[U, t_local, h_u, d]`` receive buffer)."""
     u = topology.ulysses_size
     ut, h, d = x.shape
-    return all_to_all_member(x.contiguous().view(u, ut // u, h, d), topology, op).transpose(0, 1)
+    return all_to_all_member(x.contiguous().view(u, ut // u, h, d), topology, op, out).transpose(0, 1)
 
 
 class UlyssesAllToAll(torch.autograd.Function):

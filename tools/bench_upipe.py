@@ -1,16 +1,21 @@
-"""Benchmark UPipe (head-chunked attention) against plain Ulysses on CPU gloo ranks.
+"""Peak memory of one attention block per rank: UPipe (head-chunked attention) vs a Megatron-style baseline.
 
-For a model preset at a reduced sequence length and a CP layout, each rank runs one
-attention block (fused QKV projection + RoPE + distributed attention, forward and
-backward) for U = H (plain Ulysses, one stage) and every smaller valid head chunk U,
-and reports per rank: peak live attention-block bytes (also without the weight
-gradient, which at short CPU sequence lengths dominates and does not depend on U; in
-Megatron it lives in the preallocated grad buffer), bytes sent, and the fwd+bwd time
-relative to Ulysses (U = H through the same operation). It then prints REFERENCE.md
-1.1's analytical per-rank peak at the full sequence length the user asks for.
-CPU times are wall-clock on shared cores: indicative of per-stage overheads only.
+CPU gloo ranks run one attention block (fused QKV projection + RoPE + distributed
+attention, forward and backward) and report per rank the peak live bytes allocated inside
+the block (``track_peak_memory``; the input, weights and the output gradient exist before):
 
-    .venv/bin/python tools/bench_upipe.py --preset llama3-8b --seq 2048 --cp 4 --full-seq 5000000 --full-cp 8
+- ``baseline``: Megatron-style, a fused ``linear_qkv`` (F.linear over all heads), split into
+  q/k/v, RoPE, then ``context_parallel_attention`` (Ulysses all-to-all + ring), autograd backward;
+- ``U = H``: ``head_chunked_attention`` with one stage (plain Ulysses through the same op);
+- every smaller valid head chunk U (a multiple of the Ulysses size dividing H).
+
+The weight gradient is written into a preallocated fp32 ``main_grad`` (as under Megatron's DDP),
+so none of the rows includes a weight-sized gradient tensor. For every U it also prints the ring
+bytes each stage sends (``predicted_stage_comm``). Defaults are the issue's setup: H=32, H_kv=8,
+d=32, hidden = H*d, bf16, 4 ranks, 4096 tokens per rank. CPU times are indicative only.
+
+    PYTHONPATH=. .venv/bin/python tools/bench_upipe.py
+    PYTHONPATH=. .venv/bin/python tools/bench_upipe.py --cp 8 --mode hsap --ranks-per-node 4 --tokens-per-rank 1024
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ import os
 import socket
 import sys
 import time
-from typing import Dict, List
+from typing import Dict, List, Tuple
 
 import torch
 import torch.distributed as dist
@@ -29,10 +34,7 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-PRESETS = {  # H, H_kv, head_dim, hidden
-    "llama3-8b": (32, 8, 128, 4096),
-    "qwen3-32b": (64, 8, 128, 5120),
-}
+BASELINE = "baseline"
 
 
 def _free_port() -> int:
@@ -44,7 +46,7 @@ def _free_port() -> int:
 def _rank_main(rank: int, args: argparse.Namespace, port: int, queue) -> None:
     torch.set_num_threads(args.threads)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=args.cp,
-                            timeout=datetime.timedelta(seconds=600))
+                            timeout=datetime.timedelta(seconds=1800))
     try:
         queue.put((rank, _measure(args)))
     finally:
@@ -54,115 +56,121 @@ def _rank_main(rank: int, args: argparse.Namespace, port: int, queue) -> None:
         dist.destroy_process_group()
 
 
-def _measure(args: argparse.Namespace) -> Dict[int, Dict[str, float]]:
-    from megatron_hsap.attention.upipe import head_chunked_attention
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Megatron's non-interleaved RoPE (``_apply_rotary_pos_emb_bshd``) on ``[t, h, d]``, differentiable."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+def megatron_style_block(hidden: torch.Tensor, weight: torch.Tensor, plan, h: int, h_kv: int, d: int,
+                         angles: torch.Tensor) -> torch.Tensor:
+    """hidden ``[t, 1, hidden]`` -> ``[t, 1, H*d]``: Megatron's fused linear_qkv, its q/k/v split
+    (``get_query_key_value_tensors``), RoPE, ``context_parallel_attention``."""
+    from megatron_hsap.attention import context_parallel_attention
+
+    t, g = hidden.shape[0], h // h_kv
+    mixed = torch.nn.functional.linear(hidden[:, 0], weight).view(t, h_kv, (g + 2) * d)
+    q, k, v = torch.split(mixed, [g * d, d, d], dim=2)
+    q = q.reshape(t, h, d)
+    cos, sin = angles.cos().to(hidden.dtype)[:, None], angles.sin().to(hidden.dtype)[:, None]
+    out = context_parallel_attention(_rotate(q, cos, sin), _rotate(k, cos, sin), v, plan, causal=True)
+    return out.reshape(t, 1, h * d)
+
+
+def _measure(args: argparse.Namespace) -> Dict[str, Dict[str, float]]:
+    from megatron_hsap.attention.upipe import head_chunked_attention, predicted_stage_comm, resolve_head_schedule
+    from megatron_hsap.attention.upipe import rope_angles
     from megatron_hsap.config import ContextParallelConfig
-    from megatron_hsap.instrumentation import count_comm
     from megatron_hsap.instrumentation.memory import track_peak_memory
     from megatron_hsap.parallel_state import initialize_model_parallel
     from megatron_hsap.sequence.doc_lengths import cu_seqlens_from_lengths
     from megatron_hsap.sequence.plan import plan_batch
 
-    h, h_kv, d, hidden_size = PRESETS[args.preset]
+    h, h_kv, d = args.heads, args.kv_heads, args.head_dim
+    hidden_size = args.hidden or h * d
     dtype = getattr(torch, args.dtype)
     topo = initialize_model_parallel(context_parallel_size=args.cp, ranks_per_node=args.ranks_per_node,
                                      cp_config=ContextParallelConfig(mode=args.mode, ulysses_size=args.ulysses,
                                                                      kernel="torch"))
-    plan = plan_batch(cu_seqlens_from_lengths([args.seq]), topo, "zigzag")
+    plan = plan_batch(cu_seqlens_from_lengths([args.tokens_per_rank * args.cp]), topo, "zigzag")
     gen = torch.Generator().manual_seed(0)
     hidden = torch.randn(plan.tokens_per_rank, 1, hidden_size, generator=gen).to(dtype).requires_grad_()
     weight = (torch.randn((h // h_kv + 2) * h_kv * d, hidden_size, generator=gen) * hidden_size ** -0.5
               ).to(dtype).requires_grad_()
+    weight.main_grad = torch.zeros(weight.shape, dtype=torch.float32)
+    weight.grad_added_to_main_grad = False
     dout = torch.randn(plan.tokens_per_rank, 1, h * d, generator=gen).to(dtype)
-    chunks = [h] + [u for u in range(h - topo.ulysses_size, 0, -topo.ulysses_size)
-                    if u % topo.ulysses_size == 0 and h % u == 0]
-    results: Dict[int, Dict[str, float]] = {}
-    for u in chunks:
-        seconds = []
-        for _ in range(args.repeats):
-            dist.barrier()
-            start = time.perf_counter()
-            with count_comm() as comm, track_peak_memory("cpu") as mem:
+    angles = rope_angles(plan.position_ids, d)
+    p = topo.ulysses_size
+    chunks = [h] + [u for u in range(h - p, 0, -p) if h % u == 0 and (not args.head_chunks or u in args.head_chunks)]
+    results: Dict[str, Dict[str, float]] = {}
+    for u in [BASELINE] + chunks:
+        dist.barrier()
+        start = time.perf_counter()
+        with track_peak_memory("cpu") as mem:
+            if u == BASELINE:
+                out = megatron_style_block(hidden, weight, plan, h, h_kv, d, angles)
+            else:
                 out = head_chunked_attention(hidden, weight, None, plan, num_heads_q=h, num_heads_kv=h_kv,
-                                             head_dim=d, head_chunk_size=u)
-                out.backward(dout)
-                del out
-            dist.barrier()
-            seconds.append(time.perf_counter() - start)
-            hidden.grad = weight.grad = None
-        results[u] = {"seconds": min(seconds), "peak_bytes": mem.peak_bytes,
-                      "sent_bytes": comm.send_bytes_intra + comm.send_bytes_inter,
-                      "weight_grad_bytes": weight.numel() * torch.empty((), dtype=_acc_dtype(dtype)).element_size()}
+                                             head_dim=d, rotary_freqs=angles, head_chunk_size=u)
+            out.backward(dout)
+            del out
+            if weight.grad is not None and u == BASELINE:  # DDP's hook: add into main_grad, drop .grad
+                weight.main_grad += weight.grad
+            weight.grad = None
+        dist.barrier()
+        seconds = time.perf_counter() - start
+        hidden.grad = None
+        weight.grad_added_to_main_grad = False
+        ring = 0
+        if u != BASELINE:
+            schedule = resolve_head_schedule(plan, h, h_kv, u)
+            stages = predicted_stage_comm(schedule, plan, d, dtype)
+            ring = sum(v for fwd, _ in stages for (op, _where), v in fwd.items() if op == "ring_kv") / len(stages)
+        results[str(u)] = {"seconds": seconds, "peak_bytes": mem.peak_bytes, "ring_bytes_per_stage": ring}
     return results
-
-
-def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The dtype the op accumulates the weight gradient in (float32 unless float64)."""
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
-def analytical_peak(tokens: int, cp: int, ulysses: int, h: int, h_kv: int, d: int, hidden_size: int, u: int,
-                    element_size: int) -> Dict[str, int]:
-    """Per-rank bytes at a full sequence length: REFERENCE.md 1.1's Q/K/V + all-to-all intermediates for U heads,
-    and the U-independent part of the block (saved output, its gradient, the input gradient)."""
-    from megatron_hsap.attention.head_schedule import attention_activation_bytes
-
-    t = -(-tokens // cp)
-    return {"intermediates": attention_activation_bytes(t, h, h_kv, d, ulysses, u, element_size),
-            "fixed": t * (2 * h * d + hidden_size) * element_size}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--preset", choices=sorted(PRESETS), default="llama3-8b")
-    parser.add_argument("--seq", type=int, default=2048, help="global tokens of the measured batch (one document)")
+    parser.add_argument("--heads", type=int, default=32, help="H: query heads")
+    parser.add_argument("--kv-heads", type=int, default=8, help="H_kv: KV heads")
+    parser.add_argument("--head-dim", type=int, default=32, help="d")
+    parser.add_argument("--hidden", type=int, default=None, help="hidden size (default H*d)")
+    parser.add_argument("--tokens-per-rank", type=int, default=4096, help="t_local (one document of cp*t_local)")
     parser.add_argument("--cp", type=int, default=4, help="CP ranks to spawn")
     parser.add_argument("--mode", choices=("ulysses", "hybrid", "hsap"), default="ulysses")
     parser.add_argument("--ulysses", type=int, default=None, help="Ulysses size (default: the mode's)")
     parser.add_argument("--ranks-per-node", type=int, default=None, help="emulated node size (default: all)")
-    parser.add_argument("--dtype", choices=("float32", "bfloat16", "float64"), default="float32")
+    parser.add_argument("--dtype", choices=("bfloat16", "float32", "float64"), default="bfloat16")
+    parser.add_argument("--head-chunks", type=int, nargs="*", default=None,
+                        help="the U < H to measure (default: every valid one)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per rank")
-    parser.add_argument("--repeats", type=int, default=1, help="fwd+bwd runs per U; the fastest is reported")
-    parser.add_argument("--full-seq", type=int, default=5_000_000, help="sequence length of the analytical figure")
-    parser.add_argument("--full-cp", type=int, default=8, help="CP ranks (= Ulysses size) of the analytical figure")
-    parser.add_argument("--full-dtype-bytes", type=int, default=2, help="element size of the analytical figure")
     args = parser.parse_args()
-    if args.seq < args.cp:
-        raise ValueError(f"--seq={args.seq} must be at least --cp={args.cp}")
-    if args.repeats < 1:
-        raise ValueError(f"--repeats={args.repeats} must be >= 1")
+    for name in ("heads", "kv_heads", "head_dim", "tokens_per_rank", "cp", "threads"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')}={getattr(args, name)} must be >= 1")
 
     port = _free_port()
     queue = mp.get_context("spawn").SimpleQueue()
     mp.spawn(_rank_main, args=(args, port, queue), nprocs=args.cp, join=True)
-    per_rank = dict(queue.get() for _ in range(args.cp))
+    per_rank: Dict[int, Dict[str, Dict[str, float]]] = dict(queue.get() for _ in range(args.cp))
 
-    h, h_kv, d, hidden_size = PRESETS[args.preset]
-    print(f"# {args.preset}: H={h} H_kv={h_kv} d={d} hidden={hidden_size}; seq {args.seq} on {args.cp} ranks "
-          f"(mode {args.mode}), {args.dtype}, fwd+bwd of one attention block, {args.threads} thread(s) per rank")
-    print("| rank | U | stages | peak attention-block bytes | vs Ulysses | peak minus weight grad | vs Ulysses "
-          "| bytes sent | time s | time vs Ulysses |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
-    for rank in sorted(per_rank):
-        base = per_rank[rank][h]
-        base_act = base["peak_bytes"] - base["weight_grad_bytes"]
-        for u, r in per_rank[rank].items():
-            label = f"{u} (Ulysses)" if u == h else str(u)
-            act = r["peak_bytes"] - r["weight_grad_bytes"]
-            print(f"| {rank} | {label} | {h // u} | {r['peak_bytes']:,} | {r['peak_bytes'] / base['peak_bytes']:.3f} "
-                  f"| {act:,} | {act / base_act:.3f} | {r['sent_bytes']:,} | {r['seconds']:.2f} "
-                  f"| {r['seconds'] / base['seconds']:.2f} |")
-    print(f"\n# analytical per-rank bytes at {args.full_seq:,} tokens on {args.full_cp} ranks "
-          f"(Ulysses size {args.full_cp}), {args.full_dtype_bytes}-byte elements")
-    print("| U | Q/K/V + all-to-all intermediates (GiB) | + U-independent output/grads (GiB) | vs Ulysses |")
-    print("|---|---|---|---|")
-    chunks: List[int] = [u for u in range(h, 0, -args.full_cp) if h % u == 0 and u % args.full_cp == 0]
-    base = analytical_peak(args.full_seq, args.full_cp, args.full_cp, h, h_kv, d, hidden_size, h, args.full_dtype_bytes)
-    for u in chunks:
-        a = analytical_peak(args.full_seq, args.full_cp, args.full_cp, h, h_kv, d, hidden_size, u,
-                            args.full_dtype_bytes)
-        print(f"| {u}{' (Ulysses)' if u == h else ''} | {a['intermediates'] / 2**30:.2f} | "
-              f"{(a['intermediates'] + a['fixed']) / 2**30:.2f} | {a['intermediates'] / base['intermediates']:.3f} |")
+    h = args.heads
+    print(f"# H={h} H_kv={args.kv_heads} d={args.head_dim} hidden={args.hidden or h * args.head_dim} {args.dtype}; "
+          f"{args.tokens_per_rank} tokens per rank on {args.cp} ranks (mode {args.mode}); fwd+bwd of one attention "
+          f"block; weight gradient into a preallocated fp32 main_grad")
+    print("| rank | variant | stages | peak bytes | MiB | vs baseline | vs U=H | ring bytes sent per stage | time s |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    rows: List[Tuple[int, str]] = [(r, k) for r in sorted(per_rank) for k in per_rank[r]]
+    for rank, key in rows:
+        res = per_rank[rank][key]
+        base, full = per_rank[rank][BASELINE]["peak_bytes"], per_rank[rank][str(h)]["peak_bytes"]
+        label = "Megatron-style baseline" if key == BASELINE else f"U={key}"
+        stages = "-" if key == BASELINE else str(h // int(key))
+        ring = "-" if key == BASELINE else f"{res['ring_bytes_per_stage']:,.0f}"
+        print(f"| {rank} | {label} | {stages} | {res['peak_bytes']:,} | {res['peak_bytes'] / 2**20:.1f} "
+              f"| {res['peak_bytes'] / base:.3f} | {res['peak_bytes'] / full:.3f} | {ring} | {res['seconds']:.1f} |")
 
 
 if __name__ == "__main__":

@@ -18,8 +18,10 @@ weight gradient.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections import defaultdict
+from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
 
 import torch
@@ -51,7 +53,10 @@ def rope_angles(position_ids: torch.Tensor, rotary_dim: int, base: float = 10000
 
 
 class _Rope:
-    """Rotate-half RoPE on the first ``rotary_dim`` features of ``[t, ..., d]`` tensors, and its transpose."""
+    """Rotate-half RoPE on the first ``rotary_dim`` features of ``[t, ..., d]`` tensors, and its transpose.
+
+    Applied one head slice at a time, so its temporaries are a few ``[t, d]`` slices, not the stage's.
+    """
 
     def __init__(self, angles: torch.Tensor, dtype: torch.dtype) -> None:
         self.dim = angles.shape[-1]
@@ -63,16 +68,23 @@ class _Rope:
         x1, x2 = x.chunk(2, dim=-1)
         return torch.cat((-x2, x1), dim=-1)
 
+    @staticmethod
+    def _slices(x: torch.Tensor, dim: int):
+        """Single-head views ``[t, 1, 1, dim]`` of ``x [t, A, B, d]``."""
+        for a in range(x.shape[1]):
+            for b in range(x.shape[2]):
+                yield x[:, a:a + 1, b:b + 1, :dim]
+
     def apply_(self, x: torch.Tensor) -> None:
-        """In place on ``x [t, P, h, d]``."""
-        rot = x[..., :self.dim]
-        rot.copy_(rot * self.cos + self._rotate_half(rot) * self.sin)
+        """In place on ``x [t, A, B, d]`` (bit for bit Megatron's ``t * cos + rotate_half(t) * sin``)."""
+        for rot in self._slices(x, self.dim):
+            rot.copy_(rot * self.cos + self._rotate_half(rot) * self.sin)
 
     def transpose_(self, grad: torch.Tensor) -> None:
-        """In place: the gradient w.r.t. RoPE's input from the gradient w.r.t. its output."""
-        rot = grad[..., :self.dim]
-        g1, g2 = (rot * self.sin).chunk(2, dim=-1)
-        rot.copy_(rot * self.cos + torch.cat((g2, -g1), dim=-1))
+        """In place on ``grad [t, A, B, d]``: the gradient w.r.t. RoPE's input from the gradient w.r.t. its output."""
+        for rot in self._slices(grad, self.dim):
+            g1, g2 = (rot * self.sin).chunk(2, dim=-1)
+            rot.copy_(rot * self.cos + torch.cat((g2, -g1), dim=-1))
 
 
 def resolve_head_schedule(plan: BatchPlan, num_heads_q: int, num_heads_kv: int,
@@ -124,68 +136,168 @@ def predicted_stage_comm(schedule: HeadSchedule, plan: BatchPlan, head_dim: int,
     return out
 
 
+Runs = Tuple[Tuple[int, int, int], ...]  # (row in the stage's buffer, row in the fused weight, rows)
+
+
+def _unit_runs(units: List[int], head_dim: int) -> Runs:
+    """Maximal runs of units that are consecutive both in a stage's buffer and in the fused QKV weight."""
+    runs: List[Tuple[int, int, int]] = []
+    for i, unit in enumerate(units):
+        if runs and runs[-1][1] + runs[-1][2] == unit * head_dim:
+            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + head_dim)
+        else:
+            runs.append((i * head_dim, unit * head_dim, head_dim))
+    return tuple(runs)
+
+
+@dataclass(frozen=True)
+class _RankPlan:
+    """Host-side per-call constants of one Ulysses rank's walk through a schedule (built once, cached).
+
+    send_runs / grad_runs: per stage, the weight rows of the projected units / of the returned gradients.
+    width: per destination rank, the most head slices a stage's QKV all-to-all or gradient all-to-all carries.
+    kv_slots: the most KV heads this rank holds at once (slots of the retained-KV buffer).
+    attn_width: the most KV heads one attention call takes (>1 needs a gathered k/v buffer).
+    """
+
+    send_runs: Tuple[Runs, ...]
+    grad_runs: Tuple[Runs, ...]
+    width: int
+    kv_slots: int
+    attn_width: int
+
+
+@functools.lru_cache(maxsize=64)
+def _rank_plan(schedule: HeadSchedule, rank: int, head_dim: int) -> _RankPlan:
+    live, most = 0, 0
+    for stage in schedule.stages:
+        live += len(stage.new_kv[rank])
+        most = max(most, live)
+        live -= len(stage.done_kv[rank])
+    m = schedule.heads_per_rank
+    width = max(m + 2 * max(len(s.new_kv[r]), len(s.done_kv[r])) for s in schedule.stages
+                for r in range(schedule.ulysses_size))
+    return _RankPlan(tuple(_unit_runs(schedule.send_units(s), head_dim) for s in schedule.stages),
+                     tuple(_unit_runs(schedule.grad_units(s), head_dim) for s in schedule.stages),
+                     width, most, max(len(s.attn_kv[rank]) for s in schedule.stages))
+
+
+@functools.lru_cache(maxsize=64)
+def _query_index(schedule: HeadSchedule, device: torch.device) -> torch.Tensor:
+    """``[stages, P, U/P]`` original query head of each (destination rank, slot): one host-to-device copy per
+    schedule and device, not one per stage."""
+    index = [[list(heads) for heads in stage.query_heads] for stage in schedule.stages]
+    return torch.tensor(index, dtype=torch.long).to(device)
+
+
 class _Stages:
-    """What forward and backward share: the per-stage projection + all-to-all, and KV retention."""
+    """What forward and backward share: per-call buffers, the per-stage projection + all-to-all, KV retention.
+
+    Buffers (allocated once per forward or backward call, reused by every stage; E = element size of x,
+    t = tokens per rank, P = Ulysses size, m = U / P, w = ``_RankPlan.width``, w' = max(w, 2m), D = head_dim):
+      rows   ``[P*w*D, hidden]``  E   the stage's fused-weight rows (projection, and dx in the backward)
+      send   ``P * t * w' * D``   E   all-to-all send buffer [P, t, w, D] (destination major): the projection
+                                      GEMM writes here directly; backward: token-major staging of dQKV
+      recv   ``P * t * w' * D``   E   all-to-all receive buffer = the member's [P*t, w, D]
+      kv     ``[slots, 2, P*t, D]`` E  KV heads kept from their first to their last stage
+      k_attn/v_attn ``[P*t, A, D]`` E  only when one attention call takes A > 1 KV heads
+    backward only:
+      pair   ``P * t * 2m * D``   E   the stage's output and output gradient after their all-to-all
+      dkv    ``[slots, 2, P*t, D]`` fp32  KV gradients summed over the stages sharing a KV head
+      dw     ``P*w*D*hidden``     E   one stage's weight gradient (one GEMM), added into main_grad / dweight
+    """
 
     def __init__(self, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], plan: BatchPlan,
-                 schedule: HeadSchedule, head_dim: int, rope: Optional[_Rope], causal: bool, scale: float) -> None:
+                 schedule: HeadSchedule, head_dim: int, rope: Optional[_Rope], causal: bool, scale: float,
+                 backward: bool) -> None:
         self.x, self.weight, self.bias = x, weight, bias  # x [t_local, hidden]
         self.topo, self.schedule = plan.topology, schedule
         self.d, self.rope, self.scale = head_dim, rope, scale
         self.member = plan.member_schedule(causal)
         self.kernel = get_kernel(self.topo.config.kernel)
         self.rank = self.topo.ulysses_rank
-        p, m = schedule.ulysses_size, schedule.heads_per_rank
-        most_kv = max(len(s.new_kv[0]) for s in schedule.stages)
-        # One projection buffer for every stage (its heads vary only in the number of new KV heads).
-        self._proj = x.new_empty(p * (m + 2 * most_kv) * x.shape[0] * head_dim)
+        self.plan = _rank_plan(schedule, self.rank, head_dim)
+        self.query_index = _query_index(schedule, x.device)
+        t, hidden = x.shape
+        p, m, d, w = schedule.ulysses_size, schedule.heads_per_rank, head_dim, self.plan.width
+        slab = p * t * max(w, 2 * m) * d
+        self.rows = x.new_empty(p * w * d, hidden)
+        self.send, self.recv = x.new_empty(slab), x.new_empty(slab)
+        self.kv = x.new_empty(self.plan.kv_slots, 2, p * t, d)
+        a = self.plan.attn_width
+        self.k_attn = x.new_empty(p * t, a, d) if a > 1 else None
+        self.v_attn = x.new_empty(p * t, a, d) if a > 1 else None
+        self.slot: Dict[int, int] = {}  # effective KV id -> slot in kv / dkv
+        self.free = list(range(self.plan.kv_slots))
+        if backward:
+            acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+            self.pair = x.new_empty(p * t * 2 * m * d)
+            self.dkv = torch.empty(self.plan.kv_slots, 2, p * t, d, dtype=acc, device=x.device)
+            self.dw = x.new_empty(p * w * d * hidden)
 
-    def block(self, unit: int) -> slice:
-        """Rows of one head unit in the fused QKV weight."""
-        return slice(unit * self.d, (unit + 1) * self.d)
+    def _view(self, flat: torch.Tensor, *shape: int) -> torch.Tensor:
+        return flat[:math.prod(shape)].view(*shape)
 
-    def a2a_in(self, packed: torch.Tensor, op: str) -> torch.Tensor:
-        """``[t, P, h, d]`` -> ``[P*t, h, d]`` (identity reshape without a Ulysses group)."""
+    def gather_rows(self, runs: Runs) -> torch.Tensor:
+        """The fused weight's rows of a stage's units, in buffer order ``[n*D, hidden]``."""
+        for at, row, n in runs:
+            self.rows[at:at + n].copy_(self.weight[row:row + n])
+        return self.rows[:runs[-1][0] + runs[-1][2]]
+
+    def a2a_in(self, send: torch.Tensor, op: str, out: torch.Tensor) -> torch.Tensor:
+        """``send [P, t, h, d]`` -> ``out`` viewed ``[P*t, h, d]`` (a copy without a Ulysses group)."""
+        p, t, h, d = send.shape
+        out = out.view(p * t, h, d)
         if self.topo.ulysses_size == 1:
-            return packed.reshape(-1, *packed.shape[2:])
-        return sequence_to_heads(packed, self.topo, op)
+            return out.copy_(send.view(t, h, d))
+        return sequence_to_heads(send.transpose(0, 1), self.topo, op, out=out)
 
-    def a2a_out(self, heads: torch.Tensor, op: str) -> torch.Tensor:
-        """``[P*t, h, d]`` -> ``[t, P, h, d]``."""
+    def a2a_out(self, heads: torch.Tensor, op: str, out: torch.Tensor) -> torch.Tensor:
+        """``heads [P*t, h, d]`` -> ``out [P, t, h, d]`` (returned as is: destination-major)."""
         if self.topo.ulysses_size == 1:
-            return heads.reshape(heads.shape[0], 1, *heads.shape[1:])
-        return heads_to_sequence(heads.contiguous(), self.topo, op)
+            return out.copy_(heads.view(out.shape))
+        heads_to_sequence(heads, self.topo, op, out=out)
+        return out
 
-    def project(self, stage: Stage, op: str) -> Tuple[torch.Tensor, Dict[int, Tuple[torch.Tensor, torch.Tensor]]]:
-        """This rank's stage queries ``[P*t, m, d]`` and its new KV heads {effective id: (k, v) ``[P*t, d]``}."""
-        t, p = self.x.shape[0], self.schedule.ulysses_size
+    def project(self, index: int, stage: Stage, op: str) -> torch.Tensor:
+        """One GEMM for the stage's units, RoPE, all-to-all. Stores the stage's new KV heads in ``kv``;
+        returns this rank's stage queries ``[P*t, m, d]`` (a view of ``recv``)."""
+        t, p, d = self.x.shape[0], self.schedule.ulysses_size, self.d
         m, n = len(stage.query_heads[0]), len(stage.new_kv[0])
-        units = self.schedule.send_units(stage)
-        # Unit-major buffer: each head's projection is one matmul straight from the weight rows, no weight copy.
-        proj = self._proj[:len(units) * t * self.d].view(len(units), t, self.d)
-        for i, unit in enumerate(units):
-            torch.mm(self.x, self.weight[self.block(unit)].t(), out=proj[i])
-            if self.bias is not None:
-                proj[i] += self.bias[self.block(unit)]
-        packed = proj.view(p, m + 2 * n, t, self.d).permute(2, 0, 1, 3)  # [t, P, m + 2n, d]
+        runs = self.plan.send_runs[index]
+        rows = self.gather_rows(runs)  # [P*(m+2n)*d, hidden], destination major
+        send = self._view(self.send, p, t, m + 2 * n, d)
+        # One batched GEMM for the whole stage, x shared by every destination (stride 0, never copied),
+        # written destination-major straight into the all-to-all send buffer.
+        torch.bmm(self.x.expand(p, t, self.x.shape[1]), rows.view(p, -1, rows.shape[1]).transpose(1, 2),
+                  out=send.view(p, t, -1))
+        if self.bias is not None:
+            bias = torch.cat([self.bias[row:row + k] for _, row, k in runs])
+            send.view(p, t, -1).add_(bias.view(p, 1, -1))
         if self.rope is not None:
-            self.rope.apply_(packed[:, :, :m + n])
-        member = self.a2a_in(packed, op)
-        q = member[:, :m].contiguous()
-        new = stage.new_kv[self.rank]
-        kv = {j: (member[:, m + i].clone(), member[:, m + n + i].clone()) for i, j in enumerate(new)}
-        return q, kv
+            self.rope.apply_(send.transpose(0, 1)[:, :, :m + n])
+        member = self.a2a_in(send, op, self._view(self.recv, p, t, m + 2 * n, d))
+        for i, j in enumerate(stage.new_kv[self.rank]):
+            slot = self.slot[j] = self.free.pop()
+            self.kv[slot, 0].copy_(member[:, m + i])
+            self.kv[slot, 1].copy_(member[:, m + n + i])
+        return member[:, :m]
 
-    def attention_kv(self, stage: Stage, live: Dict[int, Tuple[torch.Tensor, torch.Tensor]]
-                     ) -> Tuple[torch.Tensor, torch.Tensor]:
-        """k, v ``[P*t, h_kv', d]`` for the stage's attention call, from the KV heads held on this rank."""
-        ids = stage.attn_kv[self.rank]
-        return (torch.stack([live[j][0] for j in ids], dim=1), torch.stack([live[j][1] for j in ids], dim=1))
+    def attention_kv(self, stage: Stage) -> Tuple[torch.Tensor, torch.Tensor]:
+        """k, v ``[P*t, h_kv', d]`` for the stage's attention call, from the KV heads kept on this rank."""
+        slots = [self.slot[j] for j in stage.attn_kv[self.rank]]
+        if len(slots) == 1:
+            return self.kv[slots[0], 0].unsqueeze(1), self.kv[slots[0], 1].unsqueeze(1)
+        k, v = self.k_attn[:, :len(slots)], self.v_attn[:, :len(slots)]
+        for i, slot in enumerate(slots):
+            k[:, i].copy_(self.kv[slot, 0])
+            v[:, i].copy_(self.kv[slot, 1])
+        return k, v
 
-    def query_index(self, stage: Stage) -> torch.Tensor:
-        """Original query heads of a stage in all-to-all order (destination rank major)."""
-        return torch.tensor([q for heads in stage.query_heads for q in heads], dtype=torch.long,
-                            device=self.x.device)
+    def release(self, stage: Stage) -> None:
+        """Free the slots of the KV heads whose last stage this was."""
+        for j in stage.done_kv[self.rank]:
+            self.free.append(self.slot.pop(j))
 
 
 def _log_stage(log: Optional[CommLog], direction: str, index: int, before: Optional[CommStats]) -> None:
@@ -195,79 +307,91 @@ def _log_stage(log: Optional[CommLog], direction: str, index: int, before: Optio
 
 def _forward(st: _Stages, num_heads_q: int, log: Optional[CommLog]) -> Tuple[torch.Tensor, List[torch.Tensor]]:
     """Returns the output ``[t, H, d]`` (original head order) and each stage's lse ``[m, P*t]``."""
-    t, d = st.x.shape[0], st.d
+    t, d, p = st.x.shape[0], st.d, st.schedule.ulysses_size
     output = st.x.new_empty(t, num_heads_q, d)
     lses = []
-    live: Dict[int, Tuple[torch.Tensor, torch.Tensor]] = {}  # KV heads held on this rank: id -> (k, v) [P*t, d]
     for s, stage in enumerate(st.schedule.stages):
         before = None if log is None else comm_stats()
-        q, new = st.project(stage, OP_QKV)
-        live.update(new)
-        k, v = st.attention_kv(stage, live)
+        q = st.project(s, stage, OP_QKV)
+        k, v = st.attention_kv(stage)
         out, lse = ring_attention_forward(q, k, v, st.member, st.topo, st.kernel, st.scale)
         del q, k, v
-        for j in stage.done_kv[st.rank]:
-            del live[j]
-        back = st.a2a_out(out, OP_OUT)  # [t, P, m, d]
-        output.index_copy_(1, st.query_index(stage), back.reshape(t, -1, d))
+        st.release(stage)
+        back = st.a2a_out(out, OP_OUT, st._view(st.send, p, t, out.shape[1], d))  # [P, t, m, d]
+        del out
+        output[:, st.query_index[s]] = back.transpose(0, 1)
         lses.append(lse)
         _log_stage(log, "forward", s, before)
     return output, lses
 
 
-def _backward(st: _Stages, output: torch.Tensor, grad: torch.Tensor, lses: List[torch.Tensor], need_weight: bool,
-              need_bias: bool, log: Optional[CommLog]
-              ) -> Tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
-    """grad/output ``[t, H, d]``; returns (dx ``[t, hidden]``, dweight, dbias) in the inputs' dtypes."""
-    acc = torch.float64 if st.x.dtype == torch.float64 else torch.float32
-    t, d = st.x.shape[0], st.d
-    x = st.x.to(acc)
-    dx = torch.zeros(st.x.shape, dtype=acc, device=st.x.device)
-    dweight = torch.zeros(st.weight.shape, dtype=acc, device=st.x.device) if need_weight else None
+def _backward(st: _Stages, output: torch.Tensor, grad: torch.Tensor, lses: List[torch.Tensor],
+              dweight: Optional[torch.Tensor], need_bias: bool, log: Optional[CommLog]
+              ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """grad/output ``[t, H, d]``; adds the weight gradient into ``dweight`` (``[rows, hidden]``, e.g. Megatron's
+    fp32 main_grad) when given; returns (dx ``[t, hidden]`` in x's dtype, dbias in the bias dtype or None).
+
+    dx accumulates one GEMM per stage in x's dtype (fp32 accumulation inside each GEMM, one rounding of the
+    running sum per stage; docs/upipe.md quotes the measured error against fp64).
+    """
+    t, d, p = st.x.shape[0], st.d, st.schedule.ulysses_size
+    acc = st.dkv.dtype
+    dx = torch.zeros_like(st.x)
     dbias = torch.zeros(st.bias.shape, dtype=acc, device=st.x.device) if need_bias else None
-    live: Dict[int, Tuple[torch.Tensor, torch.Tensor]] = {}
-    dkv: Dict[int, torch.Tensor] = {}  # effective KV id -> [P*t, 2, d] gradient summed over the stages using it
     for s, (stage, lse) in enumerate(zip(st.schedule.stages, lses)):
         before = None if log is None else comm_stats()
-        q, new = st.project(stage, OP_QKV_BWD)
-        live.update(new)
-        for j, (k_j, _) in new.items():
-            dkv[j] = torch.zeros((k_j.shape[0], 2, d), dtype=acc, device=k_j.device)
-        index = st.query_index(stage)
+        q = st.project(s, stage, OP_QKV_BWD)
         m = q.shape[1]
-        pair = torch.cat((output.index_select(1, index).view(t, -1, m, d),
-                          grad.index_select(1, index).view(t, -1, m, d)), dim=2)
-        pair = st.a2a_in(pair, OP_OUT_BWD)  # [P*t, 2m, d]: stage output, then its gradient
-        k, v = st.attention_kv(stage, live)
-        dq, dk, dv = ring_attention_backward(pair[:, m:], q, k, v, pair[:, :m].contiguous(), lse, st.member,
+        for j in stage.new_kv[st.rank]:
+            st.dkv[st.slot[j]].zero_()
+        send = st._view(st.send, p, t, 2 * m, d)  # per destination: the stage's output, then its gradient
+        for r, heads in enumerate(stage.query_heads):
+            for j, head in enumerate(heads):
+                send[r, :, j].copy_(output[:, head])
+                send[r, :, m + j].copy_(grad[:, head])
+        pair = st.a2a_in(send, OP_OUT_BWD, st._view(st.pair, p, t, 2 * m, d))
+        k, v = st.attention_kv(stage)
+        dq, dk, dv = ring_attention_backward(pair[:, m:], q, k, v, pair[:, :m], lse, st.member,
                                              st.topo, st.kernel, st.scale)
         del pair, q, k, v
         for i, j in enumerate(stage.attn_kv[st.rank]):
-            dkv[j][:, 0] += dk[:, i]
-            dkv[j][:, 1] += dv[:, i]
+            st.dkv[st.slot[j], 0] += dk[:, i]
+            st.dkv[st.slot[j], 1] += dv[:, i]
+        del dk, dv
         done = stage.done_kv[st.rank]
-        grads = torch.cat([dq] + [dkv[j][:, 0:1].to(dq.dtype) for j in done]
-                          + [dkv[j][:, 1:2].to(dq.dtype) for j in done], dim=1)
-        del dq, dk, dv
-        for j in done:
-            del live[j], dkv[j]
-        back = st.a2a_out(grads, OP_DQKV_BWD)  # [t, P, m + 2c, d]: gradients of this rank's projections
-        del grads
+        c = len(done)
+        grads = st._view(st.send, p * t, m + 2 * c, d)  # dq, then dk and dv of the KV heads finished here
+        grads[:, :m].copy_(dq)
+        del dq
+        for i, j in enumerate(done):
+            grads[:, m + i].copy_(st.dkv[st.slot[j], 0])
+            grads[:, m + c + i].copy_(st.dkv[st.slot[j], 1])
+        st.release(stage)
+        back = st.a2a_out(grads, OP_DQKV_BWD, st._view(st.recv, p, t, m + 2 * c, d))
+        g = st._view(st.send, t, p, m + 2 * c, d)  # token-major: the gradient of this stage's projection
+        g.copy_(back.transpose(0, 1))
         if st.rope is not None:
-            st.rope.transpose_(back[:, :, :m + len(done)])
-        width = back.shape[2]
-        for i, unit in enumerate(st.schedule.grad_units(stage)):
-            g = back[:, i // width, i % width].to(acc)  # [t, d]: gradient of one head unit's projection
-            rows = st.block(unit)
-            dx.addmm_(g, st.weight[rows].to(acc))
-            if dweight is not None:
-                dweight[rows].addmm_(g.t(), x)  # replicated KV units appear twice and sum here
-            if dbias is not None:
-                dbias[rows] += g.sum(0)
-        del back
+            st.rope.transpose_(g[:, :, :m + c])
+        g = g.view(t, -1)
+        runs = st.plan.grad_runs[s]
+        dx.addmm_(g, st.gather_rows(runs))
+        if dweight is not None:
+            dw = st._view(st.dw, g.shape[1], st.x.shape[1])
+            torch.mm(g.t(), st.x, out=dw)
+            for at, row, n in runs:  # replicated KV units appear twice and sum here
+                dweight[row:row + n] += dw[at:at + n]
+        if dbias is not None:
+            part = g.sum(0, dtype=acc)
+            for at, row, n in runs:
+                dbias[row:row + n] += part[at:at + n]
         _log_stage(log, "backward", s, before)
-    return (dx.to(st.x.dtype), None if dweight is None else dweight.to(st.weight.dtype),
-            None if dbias is None else dbias.to(st.bias.dtype))
+    return dx, None if dbias is None else dbias.to(st.bias.dtype)
+
+
+def _main_grad_target(weight: torch.Tensor) -> Optional[torch.Tensor]:
+    """Megatron's fp32 ``main_grad`` buffer of ``weight`` when it has one (set by its DDP wrapper), else None."""
+    main_grad = getattr(weight, "main_grad", None)
+    return main_grad if isinstance(main_grad, torch.Tensor) and main_grad.shape == weight.shape else None
 
 
 class _HeadChunkedAttention(torch.autograd.Function):
@@ -278,8 +402,9 @@ class _HeadChunkedAttention(torch.autograd.Function):
                 schedule: HeadSchedule, head_dim: int, angles: Optional[torch.Tensor], causal: bool, scale: float,
                 log: Optional[CommLog]) -> torch.Tensor:
         rope = None if angles is None else _Rope(angles, hidden.dtype)
-        st = _Stages(hidden[:, 0], weight, bias, plan, schedule, head_dim, rope, causal, scale)
+        st = _Stages(hidden[:, 0], weight, bias, plan, schedule, head_dim, rope, causal, scale, backward=False)
         output, lses = _forward(st, schedule.num_heads_q, log)
+        del st
         ctx.save_for_backward(hidden, weight, bias, output)
         ctx.lses = lses
         ctx.args = (plan, schedule, head_dim, angles, causal, scale, log)
@@ -287,14 +412,26 @@ class _HeadChunkedAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
+        """Weight gradient: added into ``weight.main_grad`` when Megatron's DDP gave the weight one, with
+        Megatron's gradient-accumulation-fusion contract (``grad_added_to_main_grad`` set, a dummy gradient
+        returned so DDP's hook does not add it again; None without that attribute); else returned."""
         hidden, weight, bias, output = ctx.saved_tensors
         plan, schedule, head_dim, angles, causal, scale, log = ctx.args
         rope = None if angles is None else _Rope(angles, hidden.dtype)
-        st = _Stages(hidden[:, 0], weight, bias, plan, schedule, head_dim, rope, causal, scale)
+        st = _Stages(hidden[:, 0], weight, bias, plan, schedule, head_dim, rope, causal, scale, backward=True)
         grad = grad.reshape(output.shape).to(output.dtype)
-        dx, dweight, dbias = _backward(st, output, grad, ctx.lses, ctx.needs_input_grad[1],
-                                       bias is not None and ctx.needs_input_grad[2], log)
+        main_grad = _main_grad_target(weight) if ctx.needs_input_grad[1] else None
+        target = main_grad
+        if ctx.needs_input_grad[1] and main_grad is None:
+            target = torch.zeros_like(weight)
+        dx, dbias = _backward(st, output, grad, ctx.lses, target, bias is not None and ctx.needs_input_grad[2], log)
         ctx.lses = None
+        dweight = target
+        if main_grad is not None:
+            dweight = None
+            if hasattr(weight, "grad_added_to_main_grad"):
+                weight.grad_added_to_main_grad = True
+                dweight = (torch.zeros_like if getattr(weight, "zero_out_wgrad", False) else torch.empty_like)(weight)
         return dx.unsqueeze(1), dweight, dbias, None, None, None, None, None, None, None
 
 

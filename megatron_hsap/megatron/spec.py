@@ -25,6 +25,7 @@ from megatron.core.transformer.transformer_block import TransformerBlockSubmodul
 from megatron_hsap.config import ContextParallelConfig
 from megatron_hsap.megatron.attention import HSAPSelfAttention
 from megatron_hsap.megatron.cpu_shim import SequenceParallelTorchNorm
+from megatron_hsap.megatron.sequence_chunks import TiledMLP, sequence_chunk_bounds
 
 __all__ = ["get_gpt_layer_hsap_spec", "get_gpt_decoder_block_hsap_spec", "transformer_engine_usable"]
 
@@ -36,10 +37,11 @@ def transformer_engine_usable() -> bool:
 
 def get_gpt_layer_hsap_spec(cp_config: ContextParallelConfig, num_experts: Optional[int] = None,
                             qk_layernorm: bool = False, normalization: str = "LayerNorm",
-                            use_transformer_engine: Optional[bool] = None) -> ModuleSpec:
+                            use_transformer_engine: Optional[bool] = None, mlp_sequence_chunks: int = 1) -> ModuleSpec:
     """A GPT transformer-layer spec whose self-attention is HSAP's, everything else Megatron's.
 
     use_transformer_engine: None = TE when ``transformer_engine_usable()``; True/False forces it.
+    mlp_sequence_chunks > 1: the (dense) MLP is ``TiledMLP``, computed in that many sequence tiles with recompute.
     """
     if not isinstance(cp_config, ContextParallelConfig):
         raise ValueError(f"cp_config must be a ContextParallelConfig, got {type(cp_config).__name__}")
@@ -58,7 +60,20 @@ def get_gpt_layer_hsap_spec(cp_config: ContextParallelConfig, num_experts: Optio
                                                 submodules=attention.submodules)
     if not use_te:
         _use_sequence_parallel_norms(spec)
+    if mlp_sequence_chunks != 1:
+        _use_tiled_mlp(spec, mlp_sequence_chunks)
     return spec
+
+
+def _use_tiled_mlp(spec: ModuleSpec, chunks: int) -> None:
+    """Swap a dense ``MLP`` for ``TiledMLP`` (same submodules and parameters); MoE layers are left alone."""
+    from megatron.core.transformer.mlp import MLP
+
+    sequence_chunk_bounds(1, chunks)  # validates
+    mlp = spec.submodules.mlp
+    if isinstance(mlp, ModuleSpec) and mlp.module is MLP:
+        spec.submodules.mlp = ModuleSpec(module=TiledMLP, params={**mlp.params, "sequence_chunks": chunks},
+                                         submodules=mlp.submodules)
 
 
 def _use_sequence_parallel_norms(spec: ModuleSpec) -> None:

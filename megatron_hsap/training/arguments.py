@@ -166,6 +166,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--tensorboard-dir", default=None)
     g.add_argument("--no-progress-bar", action="store_true")
     g.add_argument("--log-json", default=None, help="write one JSON record per iteration to this file (rank 0)")
+    add_sequence_chunk_args(p)
     return p
 
 
@@ -283,6 +284,7 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
         raise ValueError(f"--nproc ({args.nproc}) conflicts with the launcher's WORLD_SIZE "
                          f"({os.environ['WORLD_SIZE']})")
     cp_config_from_args(args)
+    resolve_sequence_chunks(args)
 
 
 def data_path_prefixes(data_path: List[str]) -> List[str]:
@@ -308,3 +310,28 @@ def cp_config_from_args(args: argparse.Namespace) -> ContextParallelConfig:
                                      kernel=args.attention_kernel)
     except ValueError as err:
         raise ValueError(f"invalid context-parallel flags: {err}") from err
+
+
+# ---- sequence-chunked MLP and loss (memory at long context; megatron_hsap/megatron/sequence_chunks.py) ----
+#: Loss chunk default: tokens per chunk, so one chunk's fp32 logits are 2048 x vocab/TP x 4 bytes.
+LOSS_CHUNK_TOKENS = 2048
+
+
+def add_sequence_chunk_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("sequence chunks (activation memory outside attention)")
+    g.add_argument("--mlp-sequence-chunks", type=_positive_int, default=None,
+                   help="compute the MLP in this many sequence tiles with recompute (default with hsap: "
+                        "ceil(tokens per rank / hidden size), as DeepSpeed ALST; else 1)")
+    g.add_argument("--loss-sequence-chunks", type=_positive_int, default=None,
+                   help="compute the output layer + cross-entropy in this many sequence chunks, never the "
+                        f"full logits (default with hsap: ceil(tokens per rank / {LOSS_CHUNK_TOKENS}); else 1)")
+
+
+def resolve_sequence_chunks(args: argparse.Namespace) -> None:
+    """Fill the sequence-chunk defaults: chunked only with ``--context-parallel-mode hsap``."""
+    hsap = args.context_parallel_mode == "hsap"
+    tokens = -(-args.seq_length // args.context_parallel_size)
+    if args.mlp_sequence_chunks is None:
+        args.mlp_sequence_chunks = max(1, -(-tokens // args.hidden_size)) if hsap else 1
+    if args.loss_sequence_chunks is None:
+        args.loss_sequence_chunks = max(1, -(-tokens // LOSS_CHUNK_TOKENS)) if hsap else 1

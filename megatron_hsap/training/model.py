@@ -53,14 +53,17 @@ def build_model(args: argparse.Namespace, config: Any, cp_config: ContextParalle
     """GPTModel chunks for this pipeline rank (several with the interleaved schedule), DDP-wrapped."""
     from megatron.core import parallel_state as mpu
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-    from megatron.core.models.gpt import GPTModel
+
+    from megatron_hsap.megatron.sequence_chunks import HSAPGPTModel
 
     num_chunks = config.virtual_pipeline_model_parallel_size or 1
     chunks = []
     for vp_stage in range(num_chunks):
         stage = vp_stage if num_chunks > 1 else None
-        block = get_gpt_decoder_block_hsap_spec(config, cp_config, vp_stage=stage)
-        model = GPTModel(
+        block = get_gpt_decoder_block_hsap_spec(config, cp_config, vp_stage=stage,
+                                                mlp_sequence_chunks=getattr(args, "mlp_sequence_chunks", 1))
+        model = HSAPGPTModel(
+            loss_sequence_chunks=getattr(args, "loss_sequence_chunks", 1),
             config=config, transformer_layer_spec=block, vocab_size=padded_vocab_size(vocab_size, args),
             max_sequence_length=args.max_position_embeddings,
             pre_process=mpu.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage),
