@@ -1,7 +1,9 @@
 """The README's first command (examples/cpu_demo.sh) runs end to end on CPU and its loss clearly decreases.
 
 It is the embedded default: the stdlib corpus, --context-parallel-mode hsap on 8 forked
-CPU ranks emulating 2 nodes (Ulysses inside a node, ring across). About 3 minutes on 2 idle cores.
+CPU ranks emulating 2 nodes (Ulysses inside a node, ring across). The preset's 150 iterations
+take ~2.5 minutes on 2 cores; the test overrides them to ITERS (the preset's own override path),
+which keeps every other flag of the README's command and still shows the loss falling.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import subprocess
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ITERS = 50
 
 
 def test_cpu_demo_trains_with_hsap_across_two_emulated_nodes(tmp_path):
@@ -20,13 +23,13 @@ def test_cpu_demo_trains_with_hsap_across_two_emulated_nodes(tmp_path):
     env.pop("RANK", None)
     env.pop("WORLD_SIZE", None)
     result = subprocess.run([os.path.join(ROOT, "examples", "cpu_demo.sh"), "--log-json", str(log),
-                             "--data-cache-path", str(tmp_path)],
+                             "--data-cache-path", str(tmp_path), "--train-iters", str(ITERS)],
                             cwd=ROOT, env=env, capture_output=True, text=True, timeout=840)
     assert result.returncode == 0, result.stderr[-4000:]
     assert "mode hsap, ulysses 4 x ring 2" in result.stdout and "nodes 2" in result.stdout
-    assert "iteration    150/   150" in result.stdout
+    assert f"iteration {ITERS:>6}/{ITERS:>6}" in result.stdout
     records = [json.loads(line) for line in log.read_text().splitlines()]
-    assert [r["iteration"] for r in records] == list(range(10, 151, 10))
+    assert [r["iteration"] for r in records] == list(range(10, ITERS + 1, 10))
     assert all(r["cp_bytes_intra"] > 0 and r["cp_bytes_inter"] > 0 for r in records)
     first, last = records[0]["loss"], min(r["loss"] for r in records[-3:])
     assert last < first - 1.0, f"loss {first:.3f} -> {last:.3f}"
