@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+import importlib.util
+import io
 import json
 import os
 import subprocess
@@ -14,8 +17,18 @@ TOOL = os.path.join(ROOT, "tools", "preprocess_data.py")
 
 
 def _preprocess(*flags: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, TOOL, *flags], cwd=ROOT, capture_output=True, text=True, timeout=120,
-                          env=dict(os.environ, PYTHONWARNINGS="ignore"))
+    """The tool's ``main(argv)`` in this process (its imports are paid once, not per call), with the
+    exit status and output a command line would give."""
+    spec = importlib.util.spec_from_file_location("preprocess_data_tool", TOOL)
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = tool.main(list(flags))
+        except SystemExit as exit_:
+            code = exit_.code
+    return subprocess.CompletedProcess(["preprocess_data.py", *flags], code, out.getvalue(), err.getvalue())
 
 
 def _read(prefix: str):
