@@ -16,8 +16,8 @@ from typing import List
 import pytest
 import torch
 
+from tests.cp_cases import attention_case, reference_errors
 from tests.distributed import run_distributed
-from tests.reference import dense_attention
 
 
 def _posting_order_matching() -> List[float]:
@@ -46,7 +46,6 @@ def _attend(lengths, mode, ulysses_size, ranks_per_node, layout, h_q, h_kv, d, d
     """Run one forward+backward; returns (rank-0 errors vs fp64 reference or None, this rank's trace)."""
     import torch.distributed as dist
 
-    from megatron_hsap.attention import context_parallel_attention
     from megatron_hsap.config import ContextParallelConfig
     from megatron_hsap.instrumentation.trace import record_trace
     from megatron_hsap.parallel_state import initialize_model_parallel
@@ -57,23 +56,9 @@ def _attend(lengths, mode, ulysses_size, ranks_per_node, layout, h_q, h_kv, d, d
                                      cp_config=ContextParallelConfig(mode=mode, ulysses_size=ulysses_size,
                                                                      kernel="cpu_fused"))
     cu = cu_seqlens_from_lengths(lengths)
-    plan = plan_batch(cu, topo, layout)
-    gen = torch.Generator().manual_seed(7)
-    total = sum(lengths)
-    q, k, v = (torch.randn(total, h, d, generator=gen, dtype=torch.float64) for h in (h_q, h_kv, h_kv))
-    dout = torch.randn(total, h_q, d, generator=gen, dtype=torch.float64)
-    local = [plan.shard(x).to(dtype).requires_grad_() for x in (q, k, v)]
     with record_trace() as events:
-        out = context_parallel_attention(*local, plan)
-        out.backward(plan.shard(dout).to(dtype))
-    results = [plan.unshard(t).double() for t in (out, local[0].grad, local[1].grad, local[2].grad)]
-    if topo.cp_rank != 0:
-        return None, events if trace else None
-    ref_in = [x.clone().requires_grad_() for x in (q, k, v)]
-    ref = dense_attention(*ref_in, cu)
-    ref.backward(dout)
-    expected = [ref.detach()] + [x.grad for x in ref_in]
-    errors = [((a - b).abs().max() / b.abs().max()).item() for a, b in zip(results, expected)]
+        got, inputs = attention_case(plan_batch(cu, topo, layout), h_q, h_kv, d, dtype, True, 7)
+    errors = reference_errors(got, inputs, cu, True, relative=True) if topo.cp_rank == 0 else None
     return errors, events if trace else None
 
 

@@ -15,15 +15,14 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from tests.cp_cases import attention_case, reference_errors
 from tests.distributed import run_distributed
-from tests.reference import dense_attention
 
 
 def _attention_error(lengths: List[int], mode: str, ulysses_size: Optional[int], ranks_per_node: int,
                      h_q: int, h_kv: int, causal: bool) -> Optional[float]:
     import torch.distributed as dist
 
-    from megatron_hsap.attention import context_parallel_attention
     from megatron_hsap.config import ContextParallelConfig
     from megatron_hsap.parallel_state import initialize_model_parallel
     from megatron_hsap.sequence.doc_lengths import cu_seqlens_from_lengths
@@ -33,21 +32,11 @@ def _attention_error(lengths: List[int], mode: str, ulysses_size: Optional[int],
                                      cp_config=ContextParallelConfig(mode=mode, ulysses_size=ulysses_size,
                                                                      kernel="cpu_fused"))
     cu = cu_seqlens_from_lengths(lengths)
-    plan = plan_batch(cu, topo, "sequence-aware")
-    gen = torch.Generator().manual_seed(sum(lengths))
-    total, d = sum(lengths), 8
-    q, k, v = (torch.randn(total, h, d, generator=gen, dtype=torch.float64) for h in (h_q, h_kv, h_kv))
-    dout = torch.randn(total, h_q, d, generator=gen, dtype=torch.float64)
-    local = [plan.shard(x).requires_grad_() for x in (q, k, v)]
-    out = context_parallel_attention(*local, plan, causal=causal)
-    out.backward(plan.shard(dout))
-    results = [plan.unshard(t) for t in (out, local[0].grad, local[1].grad, local[2].grad)]
+    got, inputs = attention_case(plan_batch(cu, topo, "sequence-aware"), h_q, h_kv, 8, torch.float64, causal,
+                                 sum(lengths))
     if topo.cp_rank != 0:
         return None
-    ref_in = [x.clone().requires_grad_() for x in (q, k, v)]
-    ref = dense_attention(*ref_in, cu, causal=causal)
-    ref.backward(dout)
-    return max((a - b).abs().max().item() for a, b in zip(results, [ref.detach()] + [x.grad for x in ref_in]))
+    return max(reference_errors(got, inputs, cu, causal))
 
 
 LAYOUTS = {  # world size -> (mode, ulysses size, ranks per node): 1, 2 or 4 emulated nodes

@@ -15,8 +15,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from tests.cp_cases import attention_case, reference_errors
 from tests.distributed import run_distributed
-from tests.reference import dense_attention
 
 WORLD = 4
 CASES_PER_EXAMPLE = 50
@@ -38,7 +38,6 @@ _case = st.tuples(_lengths, st.sampled_from(LAYOUTS), st.sampled_from(HEADS), st
 def _run_cases(mode: str, ulysses_size, ranks_per_node: int, cases: List[Tuple]) -> Dict[str, float]:
     import torch.distributed as dist
 
-    from megatron_hsap.attention import context_parallel_attention
     from megatron_hsap.config import ContextParallelConfig
     from megatron_hsap.parallel_state import initialize_model_parallel
     from megatron_hsap.sequence.doc_lengths import cu_seqlens_from_lengths
@@ -50,22 +49,10 @@ def _run_cases(mode: str, ulysses_size, ranks_per_node: int, cases: List[Tuple])
     worst, ran = 0.0, 0
     for index, (lengths, layout, (h_q, h_kv), causal) in enumerate(cases):
         cu = cu_seqlens_from_lengths(lengths)
-        plan = plan_batch(cu, topo, layout)
-        gen = torch.Generator().manual_seed(index)
-        total, d = sum(lengths), 8
-        q, k, v = (torch.randn(total, h, d, generator=gen, dtype=torch.float64) for h in (h_q, h_kv, h_kv))
-        dout = torch.randn(total, h_q, d, generator=gen, dtype=torch.float64)
-        local = [plan.shard(x).requires_grad_() for x in (q, k, v)]
-        out = context_parallel_attention(*local, plan, causal=causal)
-        out.backward(plan.shard(dout))
-        got = [plan.unshard(t) for t in (out, local[0].grad, local[1].grad, local[2].grad)]
+        got, inputs = attention_case(plan_batch(cu, topo, layout), h_q, h_kv, 8, torch.float64, causal, index)
         ran += 1
         if topo.cp_rank == 0:
-            ref_in = [x.clone().requires_grad_() for x in (q, k, v)]
-            ref = dense_attention(*ref_in, cu, causal=causal)
-            ref.backward(dout)
-            error = max((a - b).abs().max().item() for a, b in zip(got, [ref.detach()] + [x.grad for x in ref_in]))
-            worst = max(worst, error)
+            worst = max([worst] + reference_errors(got, inputs, cu, causal))
     return {"worst": worst, "ran": ran}
 
 
