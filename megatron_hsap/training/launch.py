@@ -36,6 +36,8 @@ __all__ = ["launched_by_torchrun", "spawn_local_ranks", "FORWARDED_SIGNALS"]
 
 #: Signals the launcher passes on to every rank.
 FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2, signal.SIGINT, signal.SIGHUP)
+#: After the first failures are seen, how long to wait for a signal death that explains them.
+_SETTLE_SECONDS = 0.5
 _POLL_SECONDS = 0.05
 
 
@@ -138,6 +140,11 @@ def _watch(procs: List[multiprocessing.process.BaseProcess], shared: object, gra
     while any(p.exitcode is None for p in procs):
         if failed_at is None:
             failed = [(rank, p) for rank, p in enumerate(procs) if p.exitcode not in (None, 0)]
+            if failed and all(p.exitcode > 0 for _, p in failed):
+                # A rank killed by a signal closes its sockets before it can be reaped: its peers may exit with a
+                # collective error first. Give the cause a moment to show before naming one.
+                time.sleep(_SETTLE_SECONDS)
+                failed = [(rank, p) for rank, p in enumerate(procs) if p.exitcode not in (None, 0)]
             if failed:
                 # The cause, when several failed since the last poll: a rank killed by a signal (it recorded
                 # nothing), else the one that caught its error first (the others' errors are consequences).
