@@ -161,20 +161,3 @@ def ring_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor
         finish_return()
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
-
-class RingAttention(torch.autograd.Function):
-    """Differentiable ``ring_attention_forward`` (layouts as there)."""
-
-    @staticmethod
-    def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, schedule: MemberSchedule,
-                topology: CPTopology, kernel: AttentionKernel, softmax_scale: float) -> torch.Tensor:
-        out, lse = ring_attention_forward(q, k, v, schedule, topology, kernel, softmax_scale)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.args = (schedule, topology, kernel, softmax_scale)
-        return out
-
-    @staticmethod
-    def backward(ctx, dout: torch.Tensor):
-        q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = ring_attention_backward(dout, q, k, v, out, lse, *ctx.args)
-        return dq, dk, dv, None, None, None, None
