@@ -40,7 +40,7 @@ from typing import Callable, Collection, Dict, Hashable, List, Optional, Tuple
 import torch
 
 from megatron_hsap.device_cache import cached_device_index
-from megatron_hsap.kernels.base import AttentionBlocks, check_kernel_inputs
+from megatron_hsap.kernels.base import AttentionBlocks, check_kernel_inputs, merge_partial_attention_
 
 Segment = Tuple[int, int]
 HALF_DTYPES = (torch.float16, torch.bfloat16)
@@ -242,16 +242,9 @@ def merge_partial(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor,
     out 0 / lse -inf instead of NaN.
     """
     dtype = torch.promote_types(out_a.dtype, torch.float32)
-    lse_a, lse_b = lse_a.to(dtype), lse_b.to(dtype)
-    peak = torch.maximum(lse_a, lse_b)
-    peak = torch.where(torch.isneginf(peak), torch.zeros_like(peak), peak)
-    w_a, w_b = torch.exp(lse_a - peak), torch.exp(lse_b - peak)
-    total = w_a + w_b
-    lse = peak + torch.log(total)
-    safe_total = torch.where(total == 0, torch.ones_like(total), total)
-    scale_a = (w_a / safe_total).t().unsqueeze(-1)  # [n, h, 1]
-    scale_b = (w_b / safe_total).t().unsqueeze(-1)
-    return out_a.to(dtype) * scale_a + out_b.to(dtype) * scale_b, lse
+    out = out_a.to(dtype, copy=True)
+    lse = merge_partial_attention_(out, lse_a.to(dtype), out_b, lse_b.to(dtype))
+    return out, lse
 
 
 class VarlenPassKernel:
