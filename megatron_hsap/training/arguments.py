@@ -167,7 +167,22 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--no-progress-bar", action="store_true")
     g.add_argument("--log-json", default=None, help="write one JSON record per iteration to this file (rank 0)")
     add_sequence_chunk_args(p)
+    _add_checkpoint_load_args(p)
     return p
+
+
+def _add_checkpoint_load_args(parser: argparse.ArgumentParser) -> None:
+    """Megatron-LM's checkpoint flags (megatron_hsap/training/checkpoint.py implements them)."""
+    g = parser.add_argument_group("checkpoint loading (Megatron-LM's flags)")
+    g.add_argument("--no-load-rng", action="store_true", help="do not restore the RNG states from --load")
+    g.add_argument("--finetune", action="store_true",
+                   help="load only the model weights from --load and start at iteration 0 (no optimizer, "
+                        "scheduler or RNG state)")
+    g.add_argument("--use-checkpoint-args", action="store_true",
+                   help="take the model flags (layers, sizes, heads, ...) from the --load checkpoint's saved args")
+    g.add_argument("--dist-ckpt-optim-fully-reshardable", action="store_true",
+                   help="save the distributed-optimizer state as 'fully_reshardable' (reloads at any TP/PP/DP/CP "
+                        "size and into the plain optimizer) instead of 'dp_reshardable' (faster; DP x CP changes only)")
 
 
 #: The embedded default (``python pretrain_gpt_hsap.py`` with no flags, or ``--demo [overrides]``): a small
@@ -194,6 +209,10 @@ def parse_args(argv: Optional[List[str]] = None, world_size: Optional[int] = Non
     if world_size is None:
         world_size = int(os.environ.get("WORLD_SIZE", args.nproc or 1))
     try:
+        if args.use_checkpoint_args:
+            from megatron_hsap.training.checkpoint import load_args_from_checkpoint
+
+            load_args_from_checkpoint(args, parser)
         validate_args(args, world_size)
     except ValueError as err:
         parser.error(str(err))

@@ -19,23 +19,42 @@ Integrity (a crash at any moment never leaves a checkpoint that loads as if comp
   rank with the same message instead of hanging some of them. Checkpoints
   written without a manifest (by another tool) load when dist_checkpointing marks
   them complete (``metadata.json``), unverified, with a note.
-As Megatron-LM, a ``--load`` directory without a tracker (or missing) starts from scratch with a warning.
+Content, as Megatron-LM's ``megatron/training/checkpointing.py`` writes it (torch_dist):
+``args`` (the flag namespace), ``checkpoint_version`` (3.0), ``iteration``, ``model``,
+``optimizer``, ``opt_param_scheduler`` and ``rng_state``, with the sharded-state-dict
+content metadata saved alongside (``distrib_optim_sharding_type``: ``dp_reshardable``,
+or ``fully_reshardable`` with ``--dist-ckpt-optim-fully-reshardable``). A load builds
+its sharded state dict from the metadata stored in the checkpoint, not from the
+current flags, so a checkpoint loads whichever way it was written.
+
+As Megatron-LM, a ``--load`` directory that is missing, empty or without a tracker starts
+from scratch with a rank-0 warning.
 """
 
 from __future__ import annotations
 
+import argparse
+import contextlib
 import json
 import os
+import random
 import re
 import shutil
+import time
 import zlib
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
+import numpy as np
+import torch
 import torch.distributed as dist
 
 from megatron_hsap.training import fault_injection
 
-__all__ = ["save_checkpoint", "load_checkpoint", "latest_iteration", "verify_files", "write_tracker"]
+__all__ = ["save_checkpoint", "load_checkpoint", "load_args_from_checkpoint", "latest_iteration", "verify_files",
+           "write_tracker", "CHECKPOINT_VERSION"]
+
+#: Megatron-LM's ``checkpoint_version`` of its current checkpoints (the QKV ordering of megatron-core models).
+CHECKPOINT_VERSION = 3.0
 
 _TRACKER = "latest_checkpointed_iteration.txt"
 _MANIFEST = "hsap_manifest.json"
@@ -53,15 +72,145 @@ def _unwrap(chunk: Any) -> Any:
     return getattr(chunk, "module", chunk)
 
 
-def _state_dict(model: List[Any], optimizer: Any, scheduler: Any, iteration: int, is_loading: bool) -> Dict[str, Any]:
-    state: Dict[str, Any] = {"iteration": iteration, "opt_param_scheduler": scheduler.state_dict()}
+def _content_metadata(args: argparse.Namespace) -> Dict[str, Any]:
+    """The sharded-state-dict content metadata Megatron-LM saves with a torch_dist checkpoint (serialisable part).
+
+    Without ``distrib_optim_sharding_type`` megatron-core's distributed optimizer falls back to a format
+    its own ShardedTensor checks reject (``flattened_range is not supported``). ``dp_reshardable`` saves each
+    rank's buffer shard as is (no gather; reloads at another DP x CP size only); ``fully_reshardable`` gathers
+    each parameter's state on DP rank 0 (reloads at any TP/PP/DP/CP size, also into the plain optimizer).
+    """
+    metadata: Dict[str, Any] = {"singleton_local_shards": False, "chained_optim_avoid_prefix": True}
+    if args.use_distributed_optimizer:
+        if args.dist_ckpt_optim_fully_reshardable:
+            metadata["distrib_optim_sharding_type"] = "fully_reshardable"
+            metadata["distrib_optim_fully_reshardable_mem_efficient"] = False
+        else:
+            metadata["distrib_optim_sharding_type"] = "dp_reshardable"
+    return metadata
+
+
+def _with_group(metadata: Optional[Dict[str, Any]]) -> Dict[str, Any]:
+    """``metadata`` plus the DP x CP group megatron-core's sharded_state_dict methods read (never serialised)."""
+    from megatron.core import parallel_state as mpu
+
+    return dict(metadata or {}, dp_cp_group=mpu.get_data_parallel_group(with_context_parallel=True))
+
+
+def _rng_state() -> Dict[str, Any]:
+    """This rank's generators, under Megatron-LM's keys (``cuda_rng_state`` only where CUDA is in use)."""
+    from megatron.core import tensor_parallel
+
+    state = {"random_rng_state": random.getstate(), "np_rng_state": np.random.get_state(),
+             "torch_rng_state": torch.get_rng_state(),
+             "rng_tracker_states": tensor_parallel.get_cuda_rng_tracker().get_states()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda_rng_state"] = torch.cuda.get_rng_state()
+    return state
+
+
+def _rng_sharded_object() -> Any:
+    """Megatron-LM's ``rng_state`` object: one per (PP, TP) rank holding a list of RNG states.
+
+    Megatron-LM's list has one entry, or one per DP rank with ``--data-parallel-random-init``; here it
+    always has one per DP x CP rank (in that group's rank order): CP ranks hold different token counts,
+    so their generators advance differently (dropout) and a resume is only exact with each rank's own.
+    """
+    from megatron.core import parallel_state as mpu
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+    group = mpu.get_data_parallel_group(with_context_parallel=True)
+    states: List[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(states, _rng_state(), group=group)
+    return ShardedObject("rng_state", states,
+                         (mpu.get_pipeline_model_parallel_world_size(), mpu.get_tensor_model_parallel_world_size()),
+                         (mpu.get_pipeline_model_parallel_rank(), mpu.get_tensor_model_parallel_rank()),
+                         replica_id=dist.get_rank(group))
+
+
+def _restore_rng(states: List[Dict[str, Any]]) -> bool:
+    """Set this rank's generators from the saved list (its own entry; the first when DP x CP changed, as
+    Megatron-LM). False, nothing set, when the states come from the other device kind (CUDA vs CPU trackers)."""
+    from megatron.core import parallel_state as mpu
+    from megatron.core import tensor_parallel
+
+    group = mpu.get_data_parallel_group(with_context_parallel=True)
+    state = states[dist.get_rank(group)] if len(states) == dist.get_world_size(group) else states[0]
+    if ("cuda_rng_state" in state) != (torch.cuda.is_available() and torch.cuda.is_initialized()):
+        return False
+    random.setstate(state["random_rng_state"])
+    np.random.set_state(state["np_rng_state"])
+    torch.set_rng_state(state["torch_rng_state"])
+    if "cuda_rng_state" in state:
+        torch.cuda.set_rng_state(state["cuda_rng_state"])
+    tensor_parallel.get_cuda_rng_tracker().set_states(state["rng_tracker_states"])
+    return True
+
+
+@contextlib.contextmanager
+def _trusted_pickles() -> Iterator[None]:
+    """Let ``torch.load`` (weights-only by default) read the non-tensor objects of our own checkpoints:
+    the ``args`` namespace and numpy's RNG state, as written by Megatron-LM too."""
+    core = getattr(np, "_core", None) or np.core
+    with torch.serialization.safe_globals([argparse.Namespace, np.ndarray, np.dtype, type(np.dtype(np.uint32)),
+                                           core.multiarray._reconstruct]):
+        yield
+
+
+def _init_optimizer_state(optimizer: Any) -> None:
+    """Give a fresh distributed optimizer its Adam state before its sharded state dict is built for a load.
+
+    Without Apex/TE's fused Adam, megatron-core's ``DistributedOptimizer.state_dict`` reads the ``step`` of
+    every parameter's Adam state, which a fresh optimizer has none of (torch's Adam creates it in the first
+    step). Megatron-core fills it with one zero-gradient step for its own fsdp_dtensor load; the same here
+    (the values are then replaced by the checkpoint's).
+    """
+    from megatron.core.optimizer import DistributedOptimizer
+
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        if isinstance(opt, DistributedOptimizer) and not opt.optimizer.state:
+            opt._init_optimizer_states_with_dummy_values()
+
+
+def _restore_adam_steps(optimizer: Any) -> None:
+    """Set every parameter's torch Adam ``step`` to the loaded one, each its own tensor, after a
+    distributed-optimizer load.
+
+    Without Apex/TE, megatron-core's ``DistributedOptimizer.load_state_dict`` first sets one shared ``step``
+    tensor (the checkpoint's, from the param groups) in every parameter's state, then copies each
+    parameter's loaded state into it, including the ``step`` of the placeholder state the load was built
+    from. The result is a wrong count, and one tensor that torch's Adam increments once per parameter:
+    the bias correction goes wrong from the first resumed step on.
+    """
+    from megatron.core.optimizer import DistributedOptimizer
+
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        if not isinstance(opt, DistributedOptimizer):
+            continue
+        for group in opt.optimizer.param_groups:
+            for param in group["params"] if group.get("step") is not None else ():
+                if "step" in opt.optimizer.state[param]:
+                    opt.optimizer.state[param]["step"] = torch.tensor(float(group["step"]), dtype=torch.float32)
+
+
+def _state_dict(args: argparse.Namespace, model: List[Any], optimizer: Any, scheduler: Any, iteration: int,
+                metadata: Optional[Dict[str, Any]], rng: bool, is_loading: bool) -> Dict[str, Any]:
+    """Megatron-LM's ``generate_state_dict`` for torch_dist (``optimizer``/``scheduler`` None: not included)."""
+    state: Dict[str, Any] = {"args": args, "checkpoint_version": CHECKPOINT_VERSION, "iteration": iteration}
+    full_metadata = _with_group(metadata)
     if len(model) == 1:
-        state["model"] = _unwrap(model[0]).sharded_state_dict()
+        state["model"] = _unwrap(model[0]).sharded_state_dict(metadata=full_metadata)
     else:
         for i, chunk in enumerate(model):
-            state[f"model{i}"] = _unwrap(chunk).sharded_state_dict()
+            state[f"model{i}"] = _unwrap(chunk).sharded_state_dict(metadata=full_metadata)
     if optimizer is not None:
-        state["optimizer"] = optimizer.sharded_state_dict(state, is_loading=is_loading)
+        if is_loading:
+            _init_optimizer_state(optimizer)
+        state["optimizer"] = optimizer.sharded_state_dict(state, is_loading=is_loading, metadata=full_metadata)
+    if scheduler is not None:
+        state["opt_param_scheduler"] = scheduler.state_dict()
+    if rng:
+        state["rng_state"] = _rng_sharded_object()
     return state
 
 
@@ -113,7 +262,8 @@ def _all_gather(value: Any) -> List[Any]:
     return out
 
 
-def save_checkpoint(root: str, iteration: int, model: List[Any], optimizer: Any, scheduler: Any) -> str:
+def save_checkpoint(root: str, iteration: int, model: List[Any], optimizer: Any, scheduler: Any,
+                    args: argparse.Namespace) -> str:
     """Write iteration ``iteration``'s checkpoint under ``root`` (collective); returns its directory."""
     from megatron.core import dist_checkpointing
 
@@ -125,7 +275,9 @@ def save_checkpoint(root: str, iteration: int, model: List[Any], optimizer: Any,
             shutil.rmtree(staging)
         os.makedirs(staging)
     dist.barrier()
-    dist_checkpointing.save(_state_dict(model, optimizer, scheduler, iteration, is_loading=False), staging)
+    metadata = _content_metadata(args)
+    dist_checkpointing.save(_state_dict(args, model, optimizer, scheduler, iteration, metadata, rng=True,
+                                        is_loading=False), staging, content_metadata=metadata)
     fault_injection.inject("save", iteration)
     dist.barrier()
     names = _files(staging)
@@ -173,8 +325,10 @@ def _choose(root: str) -> Tuple[Optional[int], List[str]]:
     """The iteration to load (None: start from scratch) and warnings for rank 0 to print; ValueError if none can be."""
     if not os.path.isdir(root):
         return None, [f"WARNING: --load {root!r} does not exist; starting from scratch"]
-    tracked = latest_iteration(root)
     entries = sorted(os.listdir(root))
+    if not entries:
+        return None, [f"WARNING: --load {root!r} is empty (no checkpoint saved yet); starting from scratch"]
+    tracked = latest_iteration(root)
     warnings = [f"WARNING: ignoring {os.path.join(root, e)}: a save interrupted before it completed"
                 for e in entries if e.endswith(_PARTIAL)]
     if tracked is None:
@@ -213,37 +367,93 @@ def verify_files(path: str, rank: int = 0, world_size: int = 1) -> List[str]:
     return problems
 
 
-def load_checkpoint(root: str, model: List[Any], optimizer: Any, scheduler: Any, load_optimizer: bool = True,
-                    log: Callable[[str], None] = print) -> int:
-    """Load the newest complete checkpoint under ``root`` into model/optimizer/scheduler; returns its iteration
-    (0 when starting from scratch). ``log`` gets rank 0's warnings.
+#: Megatron-LM's ``check_checkpoint_args``: flags whose checkpoint values must equal the run's.
+_MODEL_ARGS_CHECKED = ("num_layers", "hidden_size", "num_attention_heads")
+#: The model flags ``--use-checkpoint-args`` takes from the checkpoint (Megatron-LM's ``load_args_from_checkpoint``);
+#: the first group only where the command line left them at their defaults, the second always.
+_ARGS_UNLESS_GIVEN = ("num_layers", "hidden_size", "ffn_hidden_size", "seq_length", "num_attention_heads",
+                      "max_position_embeddings", "make_vocab_size_divisible_by")
+_ARGS_ALWAYS = ("num_query_groups", "position_embedding_type", "rotary_base", "disable_bias_linear", "swiglu",
+                "untie_embeddings_and_output_weights", "normalization", "attention_dropout", "hidden_dropout")
 
-    Raises RuntimeError on every rank (never a hang) when the checkpoint cannot be read.
-    """
+
+def _read_common(path: str) -> Dict[str, Any]:
+    """The checkpoint's non-sharded objects (``args``, ``iteration``, content metadata, ...); a file read only."""
     from megatron.core import dist_checkpointing
 
-    problems: List[str] = []
-    try:
-        iteration, warnings = _choose(root)
-    except ValueError as err:
-        problems, iteration, warnings = [str(err)], None, []
-    if iteration is not None:
-        problems += [f"--load {root!r}: {p}"
-                     for p in verify_files(_iter_dir(root, iteration), dist.get_rank(), dist.get_world_size())]
-    everyone = list(dict.fromkeys(p for part in _all_gather(problems) for p in part))
-    if everyone:
-        raise RuntimeError("; ".join(everyone))
-    if dist.get_rank() == 0:
-        for warning in warnings:
-            log(warning)
+    with _trusted_pickles():
+        return dist_checkpointing.load_common_state_dict(path)
+
+
+def load_args_from_checkpoint(args: argparse.Namespace, parser: argparse.ArgumentParser) -> List[str]:
+    """``--use-checkpoint-args``: take the model flags from the checkpoint ``--load`` names, before validation.
+
+    Flags of ``_ARGS_UNLESS_GIVEN`` still at ``parser``'s default, and all of ``_ARGS_ALWAYS``, get the
+    checkpoint's values (as Megatron-LM, whose defaults for the first group are None). Returns the
+    ``name=value`` settings changed; ValueError when there is no checkpoint to take them from.
+    """
+    if args.load is None:
+        raise ValueError("--use-checkpoint-args needs --load")
+    iteration, _ = _choose(args.load)
     if iteration is None:
-        return 0
+        raise ValueError(f"--use-checkpoint-args: --load {args.load!r} holds no checkpoint")
+    saved = _read_common(_iter_dir(args.load, iteration)).get("args")
+    if saved is None:
+        raise ValueError(f"--use-checkpoint-args: {_iter_dir(args.load, iteration)} was saved without its args")
+    changed = []
+    for name in _ARGS_UNLESS_GIVEN + _ARGS_ALWAYS:
+        if not hasattr(saved, name) or (name in _ARGS_UNLESS_GIVEN and getattr(args, name) != parser.get_default(name)):
+            continue
+        if getattr(args, name) != getattr(saved, name):
+            setattr(args, name, getattr(saved, name))
+            changed.append(f"{name}={getattr(saved, name)!r}")
+    return changed
+
+
+def _problems(root: str, iteration: Optional[int], args: argparse.Namespace) -> Tuple[List[str], Dict[str, Any]]:
+    """Everything wrong with loading ``iteration`` under ``args`` that this rank can see without communication,
+    and the checkpoint's common state (empty when there is none or it is unreadable)."""
+    if iteration is None:
+        return [], {}
     path = _iter_dir(root, iteration)
-    if not os.path.isfile(os.path.join(path, _MANIFEST)) and dist.get_rank() == 0:
-        log(f"note: {path} has no {_MANIFEST} (written by another tool); its files are not verified")
-    opt = optimizer if load_optimizer else None
+    problems = [f"--load {root!r}: {p}" for p in verify_files(path, dist.get_rank(), dist.get_world_size())]
+    if problems:
+        return problems, {}
     try:
-        state = dist_checkpointing.load(_state_dict(model, opt, scheduler, iteration, is_loading=True), path)
+        common = _read_common(path)
+    except Exception as err:  # noqa: BLE001 - any read failure becomes one clear message
+        return [f"--load {root!r}: cannot read {path} ({type(err).__name__}: {err})"], {}
+    saved = common.get("args")
+    for name in _MODEL_ARGS_CHECKED if saved is not None else ():
+        if hasattr(saved, name) and getattr(saved, name) != getattr(args, name):
+            problems.append(f"--load {root!r}: --{name.replace('_', '-')} is {getattr(args, name)} but {path} was "
+                            f"written with {getattr(saved, name)} (--use-checkpoint-args takes the checkpoint's)")
+    metadata = common.get("content_metadata") or {}
+    sharding = metadata.get("distrib_optim_sharding_type")
+    saved_tp_pp = (getattr(saved, "tensor_model_parallel_size", 1), getattr(saved, "pipeline_model_parallel_size", 1))
+    tp_pp = (args.tensor_model_parallel_size, args.pipeline_model_parallel_size)
+    if sharding == "dp_reshardable" and not (args.no_load_optim or args.finetune):
+        if not args.use_distributed_optimizer:
+            problems.append(f"--load {root!r}: its optimizer state was saved by the distributed optimizer as "
+                            "'dp_reshardable', which only --use-distributed-optimizer reads (or pass --no-load-optim; "
+                            "save with --dist-ckpt-optim-fully-reshardable to switch optimizers)")
+        elif saved_tp_pp != tp_pp:
+            problems.append(f"--load {root!r}: its distributed-optimizer state ('dp_reshardable') was saved at "
+                            f"TP x PP = {saved_tp_pp[0]} x {saved_tp_pp[1]} and reloads only at that size, not "
+                            f"{tp_pp[0]} x {tp_pp[1]} (save with --dist-ckpt-optim-fully-reshardable, or pass "
+                            "--no-load-optim)")
+    return problems, common
+
+
+def _read_and_apply(root: str, path: str, iteration: int, model: List[Any], optimizer: Any, scheduler: Any,
+                    metadata: Dict[str, Any], args: argparse.Namespace, rng: bool) -> Dict[str, Any]:
+    """Read ``path`` into the objects given (``optimizer``/``scheduler`` None: not loaded); returns the state."""
+    from megatron.core import dist_checkpointing
+
+    try:
+        with _trusted_pickles():
+            state = dist_checkpointing.load(_state_dict(args, model, optimizer, scheduler, iteration, metadata,
+                                                        rng=rng, is_loading=True), path)
     except Exception as err:  # noqa: BLE001 - any read failure becomes one clear message
         raise RuntimeError(f"--load {root!r}: failed to read iteration {iteration}: "
                            f"{type(err).__name__}: {err}") from err
@@ -252,7 +462,65 @@ def load_checkpoint(root: str, model: List[Any], optimizer: Any, scheduler: Any,
     else:
         for i, chunk in enumerate(model):
             _unwrap(chunk).load_state_dict(state[f"model{i}"])
-    if opt is not None:
-        opt.load_state_dict(state["optimizer"])
-    scheduler.load_state_dict(state["opt_param_scheduler"])
-    return int(state["iteration"])
+    if optimizer is not None:
+        optimizer.load_state_dict(state["optimizer"])
+        _restore_adam_steps(optimizer)
+    if scheduler is not None:
+        scheduler.load_state_dict(state["opt_param_scheduler"])
+    return state
+
+
+def load_checkpoint(root: str, model: List[Any], optimizer: Any, scheduler: Any, args: argparse.Namespace,
+                    log: Callable[[str], None] = print) -> int:
+    """Load the newest complete checkpoint under ``root`` into model/optimizer/scheduler and the RNGs, as
+    Megatron-LM's ``load_checkpoint`` (``--no-load-optim``, ``--no-load-rng``, ``--finetune``); returns the
+    iteration to continue from (0 when starting from scratch or fine-tuning). ``log`` gets rank 0's messages.
+
+    Raises RuntimeError on every rank (never a hang) when the checkpoint cannot be read.
+    """
+    from megatron.core import dist_checkpointing
+
+    t0 = time.perf_counter()
+    try:
+        iteration, warnings = _choose(root)
+        problems, common = _problems(root, iteration, args)
+    except ValueError as err:
+        problems, iteration, warnings, common = [str(err)], None, [], {}
+    everyone = list(dict.fromkeys(p for part in _all_gather(problems) for p in part))
+    if everyone:
+        raise RuntimeError("; ".join(everyone))
+    rank0 = dist.get_rank() == 0
+    notes = list(warnings)
+    if iteration is None:
+        for note in notes if rank0 else ():
+            log(note)
+        return 0
+    path = _iter_dir(root, iteration)
+    if not os.path.isfile(os.path.join(path, _MANIFEST)):
+        notes.append(f"note: {path} has no {_MANIFEST} (written by another tool); its files are not verified")
+    saved = common.get("args")
+    metadata = dist_checkpointing.load_content_metadata(preloaded_state_dict=common) or {}
+    if args.use_distributed_optimizer and "distrib_optim_sharding_type" not in metadata:
+        # Saved by the plain optimizer: per-parameter state, which is what 'fully_reshardable' reads.
+        metadata = dict(metadata, distrib_optim_sharding_type="fully_reshardable")
+    load_optim = not (args.no_load_optim or args.finetune)
+    same_tp_pp = (getattr(saved, "tensor_model_parallel_size", 1), getattr(saved, "pipeline_model_parallel_size", 1)
+                  ) == (args.tensor_model_parallel_size, args.pipeline_model_parallel_size)
+    load_rng = not (args.no_load_rng or args.finetune) and saved is not None and same_tp_pp
+    if saved is None:
+        notes.append(f"note: {path} has no args/rng_state (an older checkpoint); the RNG state is not restored")
+    elif not same_tp_pp and not (args.no_load_rng or args.finetune):
+        notes.append("note: TP x PP differs from the checkpoint's; its RNG state is ignored (as Megatron-LM)")
+    # No autograd: the distributed optimizer's fp32 main parameters are views of the model's (leaf) ones.
+    with torch.no_grad():
+        state = _read_and_apply(root, path, iteration, model, optimizer if load_optim else None,
+                                None if args.finetune else scheduler, metadata, args, load_rng)
+    if load_rng and not _restore_rng(state["rng_state"]):
+        notes.append("note: the checkpoint's RNG state is from another device kind (CPU vs CUDA); not restored")
+    if rank0:
+        for note in notes:
+            log(note)
+        done = (f"loaded model weights from {root} iteration {iteration} (--finetune: starting at iteration 0)"
+                if args.finetune else f"loaded checkpoint from {root} at iteration {iteration}")
+        log(f"{done} in {time.perf_counter() - t0:.2f} s (checkpoint version {state.get('checkpoint_version', 0)})")
+    return 0 if args.finetune else int(state["iteration"])

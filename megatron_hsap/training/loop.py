@@ -188,10 +188,7 @@ def _train(args: argparse.Namespace, signals: Any, started: float) -> List[Itera
     start = 0
     if args.load is not None:
         progress.set_phase("loading checkpoint")
-        start = load_checkpoint(args.load, model, optimizer, scheduler, load_optimizer=not args.no_load_optim,
-                                log=log.info)
-        if start:
-            log.info(f"loaded checkpoint from {args.load} at iteration {start}")
+        start = load_checkpoint(args.load, model, optimizer, scheduler, args, log=log.info)
 
     nan_check = NonFiniteCheck(model) if args.check_for_nan_in_loss_and_grad else None
     config.grad_scale_func = optimizer.scale_loss
@@ -252,8 +249,9 @@ def _train(args: argparse.Namespace, signals: Any, started: float) -> List[Itera
         stop = iteration == args.train_iters or bool(reason)
         if args.save is not None and ((args.save_interval and iteration % args.save_interval == 0) or stop):
             progress.set_phase("saving checkpoint", iteration)
-            save_checkpoint(args.save, iteration, model, optimizer, scheduler)
-            log.info(f"saved checkpoint at iteration {iteration} to {args.save}")
+            t_save = time.perf_counter()
+            save_checkpoint(args.save, iteration, model, optimizer, scheduler, args)
+            log.info(f"saved checkpoint at iteration {iteration} to {args.save} in {time.perf_counter() - t_save:.2f} s")
         if reason:
             log.info(f"exiting after iteration {iteration}: {reason}")
         if stop:
