@@ -42,6 +42,7 @@ import re
 import shutil
 import time
 import zlib
+from functools import partial
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import numpy as np
@@ -172,25 +173,37 @@ def _init_optimizer_state(optimizer: Any) -> None:
             opt._init_optimizer_states_with_dummy_values()
 
 
-def _restore_adam_steps(optimizer: Any) -> None:
-    """Set every parameter's torch Adam ``step`` to the loaded one, each its own tensor, after a
-    distributed-optimizer load.
+@contextlib.contextmanager
+def _torch_adam_steps(optimizer: Any) -> Iterator[None]:
+    """Load torch Adam's per-parameter ``step`` right through a distributed-optimizer load (no Apex/TE).
 
-    Without Apex/TE, megatron-core's ``DistributedOptimizer.load_state_dict`` first sets one shared ``step``
-    tensor (the checkpoint's, from the param groups) in every parameter's state, then copies each
-    parameter's loaded state into it, including the ``step`` of the placeholder state the load was built
-    from. The result is a wrong count, and one tensor that torch's Adam increments once per parameter:
-    the bias correction goes wrong from the first resumed step on.
+    megatron-core's ``DistributedOptimizer.load_state_dict`` sets the checkpoint's step (from the param
+    groups) as one tensor shared by every parameter's state, then copies each parameter's loaded state
+    over it with ``_set_main_param_and_optimizer_states``, whose per-parameter tensors have no ``step``
+    (``fully_reshardable``: KeyError) or the placeholder's (``dp_reshardable``: a wrong count). Within this
+    context that copy keeps the step already set; on exit each parameter gets its own copy of it (torch's
+    Adam increments it in place, once per parameter). Only these optimizer objects are changed, and only
+    for the load.
     """
     from megatron.core.optimizer import DistributedOptimizer
 
-    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
-        if not isinstance(opt, DistributedOptimizer):
-            continue
-        for group in opt.optimizer.param_groups:
-            for param in group["params"] if group.get("step") is not None else ():
-                if "step" in opt.optimizer.state[param]:
-                    opt.optimizer.state[param]["step"] = torch.tensor(float(group["step"]), dtype=torch.float32)
+    dist_opts = [o for o in getattr(optimizer, "chained_optimizers", [optimizer]) if isinstance(o, DistributedOptimizer)]
+
+    def keep_step(opt: Any, original: Callable[..., None], model_param: Any, tensors: Dict[str, Any]) -> None:
+        group_index, group_order = opt.model_param_group_index_map[model_param]
+        state = opt.optimizer.state[opt.optimizer.param_groups[group_index]["params"][group_order]]
+        original(model_param, dict(tensors, step=state["step"]) if "step" in state else tensors)
+
+    for opt in dist_opts:
+        opt._set_main_param_and_optimizer_states = partial(keep_step, opt, opt._set_main_param_and_optimizer_states)
+    try:
+        yield
+    finally:
+        for opt in dist_opts:
+            del opt._set_main_param_and_optimizer_states
+            for state in opt.optimizer.state.values():
+                if "step" in state:
+                    state["step"] = state["step"].clone()
 
 
 def _state_dict(args: argparse.Namespace, model: List[Any], optimizer: Any, scheduler: Any, iteration: int,
@@ -432,16 +445,16 @@ def _problems(root: str, iteration: Optional[int], args: argparse.Namespace) -> 
     sharding = metadata.get("distrib_optim_sharding_type")
     saved_tp_pp = (getattr(saved, "tensor_model_parallel_size", 1), getattr(saved, "pipeline_model_parallel_size", 1))
     tp_pp = (args.tensor_model_parallel_size, args.pipeline_model_parallel_size)
-    if sharding == "dp_reshardable" and not (args.no_load_optim or args.finetune):
-        if not args.use_distributed_optimizer:
-            problems.append(f"--load {root!r}: its optimizer state was saved by the distributed optimizer as "
-                            "'dp_reshardable', which only --use-distributed-optimizer reads (or pass --no-load-optim; "
-                            "save with --dist-ckpt-optim-fully-reshardable to switch optimizers)")
-        elif saved_tp_pp != tp_pp:
-            problems.append(f"--load {root!r}: its distributed-optimizer state ('dp_reshardable') was saved at "
-                            f"TP x PP = {saved_tp_pp[0]} x {saved_tp_pp[1]} and reloads only at that size, not "
-                            f"{tp_pp[0]} x {tp_pp[1]} (save with --dist-ckpt-optim-fully-reshardable, or pass "
-                            "--no-load-optim)")
+    load_optim = not (args.no_load_optim or args.finetune)
+    if load_optim and (sharding is not None) != args.use_distributed_optimizer:
+        problems.append(f"--load {root!r}: its optimizer state was saved "
+                        f"{'with' if sharding else 'without'} --use-distributed-optimizer and loads only so "
+                        "(megatron-core converts neither way); pass --no-load-optim to load the model alone")
+    elif load_optim and sharding == "dp_reshardable" and saved_tp_pp != tp_pp:
+        problems.append(f"--load {root!r}: its distributed-optimizer state ('dp_reshardable') was saved at "
+                        f"TP x PP = {saved_tp_pp[0]} x {saved_tp_pp[1]} and reloads only at that size, not "
+                        f"{tp_pp[0]} x {tp_pp[1]} (save with --dist-ckpt-optim-fully-reshardable, or pass "
+                        "--no-load-optim)")
     return problems, common
 
 
@@ -463,8 +476,8 @@ def _read_and_apply(root: str, path: str, iteration: int, model: List[Any], opti
         for i, chunk in enumerate(model):
             _unwrap(chunk).load_state_dict(state[f"model{i}"])
     if optimizer is not None:
-        optimizer.load_state_dict(state["optimizer"])
-        _restore_adam_steps(optimizer)
+        with _torch_adam_steps(optimizer):
+            optimizer.load_state_dict(state["optimizer"])
     if scheduler is not None:
         scheduler.load_state_dict(state["opt_param_scheduler"])
     return state
@@ -500,9 +513,6 @@ def load_checkpoint(root: str, model: List[Any], optimizer: Any, scheduler: Any,
         notes.append(f"note: {path} has no {_MANIFEST} (written by another tool); its files are not verified")
     saved = common.get("args")
     metadata = dist_checkpointing.load_content_metadata(preloaded_state_dict=common) or {}
-    if args.use_distributed_optimizer and "distrib_optim_sharding_type" not in metadata:
-        # Saved by the plain optimizer: per-parameter state, which is what 'fully_reshardable' reads.
-        metadata = dict(metadata, distrib_optim_sharding_type="fully_reshardable")
     load_optim = not (args.no_load_optim or args.finetune)
     same_tp_pp = (getattr(saved, "tensor_model_parallel_size", 1), getattr(saved, "pipeline_model_parallel_size", 1)
                   ) == (args.tensor_model_parallel_size, args.pipeline_model_parallel_size)
@@ -515,6 +525,8 @@ def load_checkpoint(root: str, model: List[Any], optimizer: Any, scheduler: Any,
     with torch.no_grad():
         state = _read_and_apply(root, path, iteration, model, optimizer if load_optim else None,
                                 None if args.finetune else scheduler, metadata, args, load_rng)
+        if not load_optim:  # the optimizer's main (fp32) copies would otherwise keep the initial weights
+            optimizer.reload_model_params()
     if load_rng and not _restore_rng(state["rng_state"]):
         notes.append("note: the checkpoint's RNG state is from another device kind (CPU vs CUDA); not restored")
     if rank0:
