@@ -104,10 +104,15 @@ def test_exception_in_one_rank_under_torchrun_fails_the_job(cache_dir):
 def preemption_chain(tmp_path_factory, cache_dir) -> SimpleNamespace:
     """A: 5 uninterrupted iterations. B: SIGTERM to rank 0 and SIGUSR1 to rank 1 during iteration 2.
     C: resumes, saves iteration 3, and rank 1 is killed while saving iteration 4. D: resumes again
-    with --exit-duration-in-mins 0 (stops after its first iteration)."""
+    with --exit-duration-in-mins 0 (stops after its first iteration).
+
+    Every run uses the distributed optimizer (sharded over the 2 CP ranks, saved 'dp_reshardable') and
+    hidden dropout, so the bit-identical resumes also check the optimizer state and every rank's RNG
+    state (without the RNG restore the resumed losses differ: 6.0193 vs 6.0238 in a 2-iteration check)."""
     tmp = tmp_path_factory.mktemp("chain")
     ckpt = str(tmp / "ckpt")
-    base = TINY + ["--context-parallel-size", "2", "--train-iters", str(ITERS), "--data-cache-path", cache_dir]
+    base = TINY + ["--context-parallel-size", "2", "--train-iters", str(ITERS), "--data-cache-path", cache_dir,
+                   "--use-distributed-optimizer", "--hidden-dropout", "0.1"]
 
     def run(name: str, *flags: str, fault: str = "") -> SimpleNamespace:
         log = str(tmp / f"{name}.jsonl")
@@ -162,6 +167,40 @@ def test_save_interrupted_by_a_dying_rank_keeps_the_previous_checkpoint(preempti
     assert verify_files(preemption_chain.iter3_copy) == []
 
 
+def test_checkpoint_holds_what_megatron_lm_writes(preemption_chain):
+    """args, checkpoint_version, the sharding metadata and one rng_state object (per PP x TP rank)."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    from megatron_hsap.training.checkpoint import CHECKPOINT_VERSION, _read_common
+
+    common = _read_common(preemption_chain.iter3_copy)
+    assert common["checkpoint_version"] == CHECKPOINT_VERSION == 3.0
+    assert common["iteration"] == 3
+    assert (common["args"].context_parallel_size, common["args"].hidden_dropout) == (2, 0.1)
+    assert common["content_metadata"] == {"singleton_local_shards": False, "chained_optim_avoid_prefix": True,
+                                          "distrib_optim_sharding_type": "dp_reshardable"}
+    keys = FileSystemReader(preemption_chain.iter3_copy).read_metadata().state_dict_metadata
+    assert [k for k in keys if k.startswith("rng_state")] == ["rng_state/shard_0.0_1.1"]
+
+
+def test_use_checkpoint_args_takes_the_model_flags(preemption_chain, tmp_path):
+    from megatron_hsap.training.arguments import build_parser, parse_args
+    from megatron_hsap.training.checkpoint import load_args_from_checkpoint
+
+    root = tmp_path / "ckpt"
+    shutil.copytree(preemption_chain.iter3_copy, str(root / "iter_0000003"))
+    (root / "latest_checkpointed_iteration.txt").write_text("3")
+    args = parse_args(["--nproc", "2", "--context-parallel-size", "2", "--load", str(root), "--use-checkpoint-args",
+                       "--num-layers", "4"])
+    # explicit flags win (as Megatron-LM's); the rest come from the checkpoint (TINY: hidden 32, 4 heads, seq 64)
+    assert (args.num_layers, args.hidden_size, args.num_attention_heads, args.seq_length, args.hidden_dropout) == \
+        (4, 32, 4, 64, 0.1)
+    assert args.max_position_embeddings == 64
+    with pytest.raises(ValueError, match="holds no checkpoint"):
+        load_args_from_checkpoint(build_parser().parse_args(["--load", str(tmp_path / "none"),
+                                                             "--use-checkpoint-args"]), build_parser())
+
+
 def test_resume_ignores_the_interrupted_save_with_a_warning(preemption_chain):
     d = preemption_chain.d
     assert d.result.returncode == 0, d.result.stderr[-3000:]
@@ -203,10 +242,11 @@ def test_damaged_checkpoint_file_is_named(preemption_chain, tmp_path, how, messa
 
 def _load_error(root: str) -> str:
     """What load_checkpoint raises on this rank (it checks the files before it touches model or optimizer)."""
+    from megatron_hsap.training.arguments import parse_args
     from megatron_hsap.training.checkpoint import load_checkpoint
 
     with pytest.raises(RuntimeError) as err:
-        load_checkpoint(root, model=[], optimizer=None, scheduler=None)
+        load_checkpoint(root, model=[], optimizer=None, scheduler=None, args=parse_args(["--nproc", "2"]))
     return str(err.value)
 
 
@@ -241,6 +281,13 @@ def test_missing_load_directory_starts_from_scratch(tmp_path):
 
     assert _choose(str(tmp_path / "nothing")) == (
         None, [f"WARNING: --load {str(tmp_path / 'nothing')!r} does not exist; starting from scratch"])
+
+
+def test_empty_load_directory_starts_from_scratch(tmp_path):
+    from megatron_hsap.training.checkpoint import _choose
+
+    assert _choose(str(tmp_path)) == (
+        None, [f"WARNING: --load {str(tmp_path)!r} is empty (no checkpoint saved yet); starting from scratch"])
 
 
 def test_tracker_write_is_atomic(tmp_path, monkeypatch):

@@ -423,19 +423,15 @@ def load_args_from_checkpoint(args: argparse.Namespace, parser: argparse.Argumen
     return changed
 
 
-def _problems(root: str, iteration: Optional[int], args: argparse.Namespace) -> Tuple[List[str], Dict[str, Any]]:
-    """Everything wrong with loading ``iteration`` under ``args`` that this rank can see without communication,
-    and the checkpoint's common state (empty when there is none or it is unreadable)."""
-    if iteration is None:
-        return [], {}
+def _problems(root: str, iteration: int, args: argparse.Namespace) -> Tuple[List[str], Dict[str, Any]]:
+    """What is wrong with loading ``iteration``'s (verified) files under ``args``, and the checkpoint's common
+    state (empty when unreadable)."""
     path = _iter_dir(root, iteration)
-    problems = [f"--load {root!r}: {p}" for p in verify_files(path, dist.get_rank(), dist.get_world_size())]
-    if problems:
-        return problems, {}
     try:
         common = _read_common(path)
     except Exception as err:  # noqa: BLE001 - any read failure becomes one clear message
         return [f"--load {root!r}: cannot read {path} ({type(err).__name__}: {err})"], {}
+    problems: List[str] = []
     saved = common.get("args")
     for name in _MODEL_ARGS_CHECKED if saved is not None else ():
         if hasattr(saved, name) and getattr(saved, name) != getattr(args, name):
@@ -483,6 +479,13 @@ def _read_and_apply(root: str, path: str, iteration: int, model: List[Any], opti
     return state
 
 
+def _raise_on_every_rank(problems: List[str]) -> None:
+    """RuntimeError on every rank when any rank has a problem (one all-gather; no rank is left waiting)."""
+    everyone = list(dict.fromkeys(p for part in _all_gather(problems) for p in part))
+    if everyone:
+        raise RuntimeError("; ".join(everyone))
+
+
 def load_checkpoint(root: str, model: List[Any], optimizer: Any, scheduler: Any, args: argparse.Namespace,
                     log: Callable[[str], None] = print) -> int:
     """Load the newest complete checkpoint under ``root`` into model/optimizer/scheduler and the RNGs, as
@@ -496,12 +499,15 @@ def load_checkpoint(root: str, model: List[Any], optimizer: Any, scheduler: Any,
     t0 = time.perf_counter()
     try:
         iteration, warnings = _choose(root)
-        problems, common = _problems(root, iteration, args)
+        problems = [] if iteration is None else [
+            f"--load {root!r}: {p}" for p in verify_files(_iter_dir(root, iteration), dist.get_rank(),
+                                                         dist.get_world_size())]
     except ValueError as err:
-        problems, iteration, warnings, common = [str(err)], None, [], {}
-    everyone = list(dict.fromkeys(p for part in _all_gather(problems) for p in part))
-    if everyone:
-        raise RuntimeError("; ".join(everyone))
+        iteration, warnings, problems = None, [], [str(err)]
+    _raise_on_every_rank(problems)  # first the files (each rank a share), then what they hold
+    if iteration is not None:
+        problems, common = _problems(root, iteration, args)
+        _raise_on_every_rank(problems)
     rank0 = dist.get_rank() == 0
     notes = list(warnings)
     if iteration is None:
