@@ -18,6 +18,7 @@ import json
 import os
 import subprocess
 import sys
+from types import SimpleNamespace
 from typing import Dict, List, Optional
 
 import pytest
@@ -44,7 +45,8 @@ def _run(flags: List[str], nproc: int, timeout: float = 420, env: Optional[Dict[
                           capture_output=True, text=True, timeout=timeout)
 
 
-def _train(tmp_path, cache_dir: str, nproc: int, *flags: str, name: str = "log") -> List[Dict[str, float]]:
+def _run_logged(tmp_path, cache_dir: str, nproc: int, name: str, *flags: str) -> SimpleNamespace:
+    """A successful run of the tiny GPT: its ``stdout`` and JSON ``records``."""
     log = str(tmp_path / f"{name}.jsonl")
     base = ["--train-iters", str(ITERS), "--lr-warmup-iters", "1", "--global-batch-size", "4",
             "--layout-independent-init", "--no-progress-bar", "--data-cache-path", cache_dir, "--log-json", log]
@@ -52,7 +54,11 @@ def _train(tmp_path, cache_dir: str, nproc: int, *flags: str, name: str = "log")
     assert result.returncode == 0, \
         f"run failed ({result.returncode}):\n{result.stdout[-3000:]}\n{result.stderr[-5000:]}"
     with open(log) as f:
-        return [json.loads(line) for line in f]
+        return SimpleNamespace(stdout=result.stdout, records=[json.loads(line) for line in f])
+
+
+def _train(tmp_path, cache_dir: str, nproc: int, *flags: str, name: str = "log") -> List[Dict[str, float]]:
+    return _run_logged(tmp_path, cache_dir, nproc, name, *flags).records
 
 
 @pytest.fixture(scope="module")
@@ -86,9 +92,6 @@ def test_reference_trains(reference):
                      "--cp-layout", "zigzag"], id="hybrid-zigzag-cp4-2nodes"),
     pytest.param(4, ["--context-parallel-size", "4", "--context-parallel-mode", "hsap", "--ranks-per-node", "2",
                      "--head-chunk-size", "2"], id="hsap-headchunks-seqaware-cp4-2nodes"),
-    pytest.param(4, ["--context-parallel-size", "2", "--context-parallel-mode", "ring",
-                     "--use-distributed-optimizer", "--recompute-granularity", "full"],
-                 id="ring-cp2-dp2-distopt-recompute"),
     pytest.param(8, ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
                      "--context-parallel-size", "2", "--sequence-parallel", "--context-parallel-mode", "hsap",
                      "--ranks-per-node", "2"], id="tp2-pp2-cp2-sp-hsap-8ranks"),
@@ -129,6 +132,27 @@ def test_resume_with_other_cp_mode_and_size(tmp_path, cache_dir, reference):
                      "--ranks-per-node", "2", "--load", ckpt, name="hsap")
     assert [r["iteration"] for r in resumed] == [3, 4]
     _assert_matches(resumed, reference)
+
+
+def test_distributed_optimizer_resumes_under_other_layouts(tmp_path, cache_dir, reference):
+    """Megatron-LM's two distributed-optimizer formats, resharded: 'dp_reshardable' (the default) from
+    CP 2 x DP 2 (ring, full recompute) to CP 4 x DP 1 (hsap); that run saves 'fully_reshardable', which
+    resumes at TP 2 x CP 2 (ulysses). Every iteration matches the CP=1 reference. The first run's --load
+    directory does not exist yet (Megatron-LM: warn and start from scratch)."""
+    first, second = str(tmp_path / "dp_reshardable"), str(tmp_path / "fully_reshardable")
+    dist_opt = ["--use-distributed-optimizer"]
+    a = _run_logged(tmp_path, cache_dir, 4, "a", *dist_opt, "--context-parallel-size", "2",
+                    "--context-parallel-mode", "ring", "--recompute-granularity", "full", "--load", first,
+                    "--save", first, "--exit-interval", "2")
+    assert f"WARNING: --load {first!r} does not exist; starting from scratch" in a.stdout
+    b = _run_logged(tmp_path, cache_dir, 4, "b", *dist_opt, "--context-parallel-size", "4",
+                    "--context-parallel-mode", "hsap", "--ranks-per-node", "2", "--load", first,
+                    "--save", second, "--dist-ckpt-optim-fully-reshardable", "--exit-interval", "3")
+    c = _run_logged(tmp_path, cache_dir, 4, "c", *dist_opt, "--tensor-model-parallel-size", "2",
+                    "--context-parallel-size", "2", "--context-parallel-mode", "ulysses", "--load", second)
+    assert "note: TP x PP differs from the checkpoint's; its RNG state is ignored" in c.stdout
+    assert [r["iteration"] for r in a.records + b.records + c.records] == [1, 2, 3, 4]
+    _assert_matches(a.records + b.records + c.records, reference)
 
 
 @pytest.mark.parametrize("nproc, flags, message", [
