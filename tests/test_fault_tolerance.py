@@ -201,6 +201,23 @@ def test_use_checkpoint_args_takes_the_model_flags(preemption_chain, tmp_path):
                                                              "--use-checkpoint-args"]), build_parser())
 
 
+def test_finetune_loads_the_weights_only_and_starts_at_iteration_0(preemption_chain, tmp_path, cache_dir):
+    """--finetune from the CP 2 distributed-optimizer checkpoint on one rank with the plain optimizer: no
+    optimizer, scheduler or RNG state is read (so the optimizer switch is fine), the data starts over."""
+    root = tmp_path / "ckpt"
+    shutil.copytree(preemption_chain.iter3_copy, str(root / "iter_0000003"))
+    (root / "latest_checkpointed_iteration.txt").write_text("3")
+    log = tmp_path / "finetune.jsonl"
+    result = _run(TINY + ["--train-iters", "2", "--data-cache-path", cache_dir, "--load", str(root), "--finetune",
+                          "--log-json", str(log)], 1, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert f"loaded model weights from {root} iteration 3 (--finetune: starting at iteration 0)" in result.stdout
+    records = _records(log)
+    assert [r["iteration"] for r in records] == [1, 2]
+    # the trained weights: the first batch's loss is well below the untrained model's on it
+    assert records[0]["loss"] < preemption_chain.a.records[0]["loss"] - 0.05
+
+
 def test_resume_ignores_the_interrupted_save_with_a_warning(preemption_chain):
     d = preemption_chain.d
     assert d.result.returncode == 0, d.result.stderr[-3000:]
