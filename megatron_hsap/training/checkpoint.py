@@ -1,8 +1,8 @@
 """Megatron-style distributed checkpoints: ``<dir>/iter_0000010/`` + ``latest_checkpointed_iteration.txt``.
 
 Model and optimizer are saved as sharded state dicts, so a checkpoint reloads at
-other TP/PP/DP/CP sizes (the distributed optimizer uses its fully-resharding
-format).
+other TP/PP/DP/CP sizes (the distributed optimizer's ``dp_reshardable`` state: at
+other DP x CP sizes only; see ``_content_metadata``).
 
 Integrity (a crash at any moment never leaves a checkpoint that loads as if complete):
 - a save writes into ``iter_N.partial/``; when every rank has written, the ranks
@@ -398,12 +398,12 @@ def _read_common(path: str) -> Dict[str, Any]:
         return dist_checkpointing.load_common_state_dict(path)
 
 
-def load_args_from_checkpoint(args: argparse.Namespace, parser: argparse.ArgumentParser) -> List[str]:
+def load_args_from_checkpoint(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
     """``--use-checkpoint-args``: take the model flags from the checkpoint ``--load`` names, before validation.
 
     Flags of ``_ARGS_UNLESS_GIVEN`` still at ``parser``'s default, and all of ``_ARGS_ALWAYS``, get the
-    checkpoint's values (as Megatron-LM, whose defaults for the first group are None). Returns the
-    ``name=value`` settings changed; ValueError when there is no checkpoint to take them from.
+    checkpoint's values (as Megatron-LM, whose defaults for the first group are None). ValueError when
+    there is no checkpoint to take them from.
     """
     if args.load is None:
         raise ValueError("--use-checkpoint-args needs --load")
@@ -413,14 +413,10 @@ def load_args_from_checkpoint(args: argparse.Namespace, parser: argparse.Argumen
     saved = _read_common(_iter_dir(args.load, iteration)).get("args")
     if saved is None:
         raise ValueError(f"--use-checkpoint-args: {_iter_dir(args.load, iteration)} was saved without its args")
-    changed = []
     for name in _ARGS_UNLESS_GIVEN + _ARGS_ALWAYS:
-        if not hasattr(saved, name) or (name in _ARGS_UNLESS_GIVEN and getattr(args, name) != parser.get_default(name)):
-            continue
-        if getattr(args, name) != getattr(saved, name):
+        given = name in _ARGS_UNLESS_GIVEN and getattr(args, name) != parser.get_default(name)
+        if hasattr(saved, name) and not given:
             setattr(args, name, getattr(saved, name))
-            changed.append(f"{name}={getattr(saved, name)!r}")
-    return changed
 
 
 def _problems(root: str, iteration: int, args: argparse.Namespace) -> Tuple[List[str], Dict[str, Any]]:
