@@ -187,7 +187,8 @@ def _torch_adam_steps(optimizer: Any) -> Iterator[None]:
     """
     from megatron.core.optimizer import DistributedOptimizer
 
-    dist_opts = [o for o in getattr(optimizer, "chained_optimizers", [optimizer]) if isinstance(o, DistributedOptimizer)]
+    dist_opts = [o for o in getattr(optimizer, "chained_optimizers", [optimizer])
+                 if isinstance(o, DistributedOptimizer)]
 
     def keep_step(opt: Any, original: Callable[..., None], model_param: Any, tensors: Dict[str, Any]) -> None:
         group_index, group_order = opt.model_param_group_index_map[model_param]

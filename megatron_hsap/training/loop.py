@@ -251,7 +251,8 @@ def _train(args: argparse.Namespace, signals: Any, started: float) -> List[Itera
             progress.set_phase("saving checkpoint", iteration)
             t_save = time.perf_counter()
             save_checkpoint(args.save, iteration, model, optimizer, scheduler, args)
-            log.info(f"saved checkpoint at iteration {iteration} to {args.save} in {time.perf_counter() - t_save:.2f} s")
+            log.info(f"saved checkpoint at iteration {iteration} to {args.save} in "
+                     f"{time.perf_counter() - t_save:.2f} s")
         if reason:
             log.info(f"exiting after iteration {iteration}: {reason}")
         if stop:
