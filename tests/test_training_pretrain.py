@@ -136,20 +136,18 @@ def test_resume_with_other_cp_mode_and_size(tmp_path, cache_dir, reference):
 
 def test_distributed_optimizer_resumes_under_other_layouts(tmp_path, cache_dir, reference):
     """Megatron-LM's two distributed-optimizer formats, resharded: 'dp_reshardable' (the default) from
-    CP 2 x DP 2 (ring, full recompute) to CP 4 x DP 1 (hsap); that run saves 'fully_reshardable', which
-    resumes at TP 2 x CP 2 (ulysses). Every iteration matches the CP=1 reference. The first run's --load
-    directory does not exist yet (Megatron-LM: warn and start from scratch)."""
+    CP 2 (ring) to CP 2 x DP 2 (hsap, full recompute); that run saves 'fully_reshardable', which resumes
+    at TP 2. Every iteration matches the CP=1 reference. The first run's --load directory does not exist
+    yet (Megatron-LM: warn and start from scratch)."""
     first, second = str(tmp_path / "dp_reshardable"), str(tmp_path / "fully_reshardable")
     dist_opt = ["--use-distributed-optimizer"]
-    a = _run_logged(tmp_path, cache_dir, 4, "a", *dist_opt, "--context-parallel-size", "2",
-                    "--context-parallel-mode", "ring", "--recompute-granularity", "full", "--load", first,
-                    "--save", first, "--exit-interval", "2")
+    a = _run_logged(tmp_path, cache_dir, 2, "a", *dist_opt, "--context-parallel-size", "2",
+                    "--context-parallel-mode", "ring", "--load", first, "--save", first, "--exit-interval", "2")
     assert f"WARNING: --load {first!r} does not exist; starting from scratch" in a.stdout
-    b = _run_logged(tmp_path, cache_dir, 4, "b", *dist_opt, "--context-parallel-size", "4",
-                    "--context-parallel-mode", "hsap", "--ranks-per-node", "2", "--load", first,
+    b = _run_logged(tmp_path, cache_dir, 4, "b", *dist_opt, "--context-parallel-size", "2",
+                    "--context-parallel-mode", "hsap", "--recompute-granularity", "full", "--load", first,
                     "--save", second, "--dist-ckpt-optim-fully-reshardable", "--exit-interval", "3")
-    c = _run_logged(tmp_path, cache_dir, 4, "c", *dist_opt, "--tensor-model-parallel-size", "2",
-                    "--context-parallel-size", "2", "--context-parallel-mode", "ulysses", "--load", second)
+    c = _run_logged(tmp_path, cache_dir, 2, "c", *dist_opt, "--tensor-model-parallel-size", "2", "--load", second)
     assert "note: TP x PP differs from the checkpoint's; its RNG state is ignored" in c.stdout
     assert [r["iteration"] for r in a.records + b.records + c.records] == [1, 2, 3, 4]
     _assert_matches(a.records + b.records + c.records, reference)
