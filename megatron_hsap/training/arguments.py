@@ -181,8 +181,9 @@ def _add_checkpoint_load_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--use-checkpoint-args", action="store_true",
                    help="take the model flags (layers, sizes, heads, ...) from the --load checkpoint's saved args")
     g.add_argument("--dist-ckpt-optim-fully-reshardable", action="store_true",
-                   help="save the distributed-optimizer state as 'fully_reshardable' (reloads at any TP/PP/DP/CP "
-                        "size and into the plain optimizer) instead of 'dp_reshardable' (faster; DP x CP changes only)")
+                   help="save the distributed-optimizer state as 'fully_reshardable' (gathered per parameter; "
+                        "reloads at any TP/PP/DP/CP size) instead of 'dp_reshardable' (no gather; reloads at "
+                        "other DP x CP sizes only)")
 
 
 #: The embedded default (``python pretrain_gpt_hsap.py`` with no flags, or ``--demo [overrides]``): a small

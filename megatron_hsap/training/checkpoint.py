@@ -79,7 +79,7 @@ def _content_metadata(args: argparse.Namespace) -> Dict[str, Any]:
     Without ``distrib_optim_sharding_type`` megatron-core's distributed optimizer falls back to a format
     its own ShardedTensor checks reject (``flattened_range is not supported``). ``dp_reshardable`` saves each
     rank's buffer shard as is (no gather; reloads at another DP x CP size only); ``fully_reshardable`` gathers
-    each parameter's state on DP rank 0 (reloads at any TP/PP/DP/CP size, also into the plain optimizer).
+    each parameter's state on DP rank 0 (reloads at any TP/PP/DP/CP size).
     """
     metadata: Dict[str, Any] = {"singleton_local_shards": False, "chained_optim_avoid_prefix": True}
     if args.use_distributed_optimizer:
