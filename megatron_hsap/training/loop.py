@@ -170,7 +170,8 @@ def _train(args: argparse.Namespace, signals: Any, started: float) -> List[Itera
     log = IterationLogger(args.train_iters, dist.get_rank(), args.log_json, args.tensorboard_dir,
                           progress_bar=not args.no_progress_bar)
     cp_config = cp_config_from_args(args)
-    tokenizer = build_tokenizer(args.tokenizer_type, args.tokenizer_model, args.vocab_size)
+    tokenizer = build_tokenizer(args.tokenizer_type, args.tokenizer_model, args.vocab_size, args.vocab_file,
+                                args.merge_file, args.tiktoken_pattern)
     dataset = build_train_dataset(args, tokenizer)
     config = transformer_config(args)
     model = build_model(args, config, cp_config, tokenizer.vocab_size)
@@ -181,10 +182,9 @@ def _train(args: argparse.Namespace, signals: Any, started: float) -> List[Itera
                         use_distributed_optimizer=args.use_distributed_optimizer), model)
     scheduler = OptimizerParamScheduler(
         optimizer, init_lr=0.0, max_lr=args.lr, min_lr=args.min_lr,
-        lr_warmup_steps=args.lr_warmup_iters * args.global_batch_size,
-        lr_decay_steps=args.train_iters * args.global_batch_size, lr_decay_style=args.lr_decay_style,
-        start_wd=args.weight_decay, end_wd=args.weight_decay,
-        wd_incr_steps=args.train_iters * args.global_batch_size, wd_incr_style="constant")
+        lr_warmup_steps=args.lr_warmup_steps, lr_decay_steps=args.lr_decay_steps, lr_decay_style=args.lr_decay_style,
+        start_wd=args.weight_decay, end_wd=args.weight_decay, wd_incr_steps=args.wd_incr_steps,
+        wd_incr_style="constant")
     start = 0
     if args.load is not None:
         progress.set_phase("loading checkpoint")

@@ -46,7 +46,9 @@ def transformer_config(args: argparse.Namespace) -> Any:
         recompute_method=args.recompute_method if args.recompute_granularity == "full" else None,
         recompute_num_layers=args.recompute_num_layers if args.recompute_granularity == "full" else None,
         bias_activation_fusion=False, masked_softmax_fusion=False, gradient_accumulation_fusion=False,
-        apply_rope_fusion=False, persist_layer_norm=False, bias_dropout_fusion=False, **cpu_config_overrides())
+        apply_rope_fusion=False, persist_layer_norm=False, bias_dropout_fusion=False,
+        cuda_graph_scope=[],  # Megatron-LM's CLI default (the dataclass default "full" warns as deprecated)
+        **cpu_config_overrides())
 
 
 def build_model(args: argparse.Namespace, config: Any, cp_config: ContextParallelConfig, vocab_size: int) -> List[Any]:
