@@ -44,8 +44,7 @@ def test_megatron_lm_example_scripts_parse(tmp_path):
     """Every flag of the Llama-3 8B and GPT-3 175B scripts parses; only known unsupported ones are errors."""
     tool = _tool()
     paths = tool._placeholders(str(tmp_path))
-    unsupported = {"--fp8-format", "--apply-layernorm-1p", "--decoupled-lr", "--decoupled-min-lr",
-                   "--grad-reduce-in-bf16", "--fp16", "--rampup-batch-size"}
+    unsupported = {"--fp8-format", "--apply-layernorm-1p", "--fp16", "--rampup-batch-size"}
     if importlib.util.find_spec("tensorboard") is None:
         unsupported.add("--tensorboard-dir")
     if importlib.util.find_spec("transformers") is None:
@@ -59,8 +58,8 @@ def test_megatron_lm_example_scripts_parse(tmp_path):
         assert len(accepted) + len(ignored) + len(rejected) == len(tool._flags(flags))
     accepted, ignored, _ = results["examples/llama/train_llama3_8b_h100_fp8.sh"]
     assert {"--overlap-grad-reduce", "--num-workers", "--use-mcore-models"} <= set(ignored)
-    assert {"--attention-backend", "--train-samples", "--calculate-per-token-loss", "--sequence-parallel"} <= set(
-        accepted)
+    assert {"--attention-backend", "--train-samples", "--calculate-per-token-loss", "--sequence-parallel",
+            "--decoupled-lr", "--grad-reduce-in-bf16"} <= set(accepted)
 
 
 @pytest.mark.parametrize("flags, mode, ulysses", [
@@ -108,8 +107,8 @@ def test_conflicting_attention_kernels_are_an_error(capsys):
     (["--rampup-batch-size", "16", "16", "100"], "--rampup-batch-size is not supported"),
     (["--fp8-format", "hybrid"], "--fp8-format is not supported"),
     (["--apply-layernorm-1p"], "--apply-layernorm-1p is not supported"),
-    (["--decoupled-lr", "1e-3"], "--decoupled-lr is not supported"),
-    (["--grad-reduce-in-bf16"], "--grad-reduce-in-bf16 is not supported"),
+    (["--decoupled-min-lr", "1e-3"], "--decoupled-min-lr needs --decoupled-lr"),
+    (["--grad-reduce-in-bf16"], "--grad-reduce-in-bf16 needs --bf16"),
     (["--ckpt-format", "torch"], "--ckpt-format torch is not supported"),
     (["--rotary-percent", "0.5"], "--rotary-percent 0.5 is not supported"),
     (["--hidden-size", "64", "--kv-channels", "16"], "--kv-channels (16) must equal --hidden-size / "

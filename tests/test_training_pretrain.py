@@ -164,3 +164,14 @@ def test_unreadable_checkpoint_fails_on_every_rank(tmp_path, cache_dir, tracker)
                   timeout=300)
     assert result.returncode == 1
     assert result.stderr.count(f"--load {str(ckpt)!r}") == 2
+
+
+def test_decoupled_lr_updates_only_embedding_and_output_at_their_own_rate(tmp_path, cache_dir, reference):
+    """Megatron-LM's --decoupled-lr/--decoupled-min-lr (Megatron-Core's param groups): the same values as
+    --lr/--min-lr reproduce the reference exactly; freezing the embedding and output layers changes the run."""
+    same = _train(tmp_path, cache_dir, 1, "--decoupled-lr", "3e-3", "--decoupled-min-lr", "3e-4", name="same")
+    assert [(r["loss"], r["grad_norm"]) for r in same] == [(r["loss"], r["grad_norm"]) for r in reference]
+    frozen = _train(tmp_path, cache_dir, 1, "--decoupled-lr", "0", "--decoupled-min-lr", "0", name="frozen")
+    assert frozen[0]["loss"] == reference[0]["loss"]
+    assert all(f["loss"] != r["loss"] for f, r in zip(frozen[1:], reference[1:]))
+    assert [f["lr"] for f in frozen] == [r["lr"] for r in reference]  # the other layers keep --lr's schedule

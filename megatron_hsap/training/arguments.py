@@ -50,11 +50,6 @@ _UNSUPPORTED_FLAGS = {
     "fp8_format": ("--fp8-format", "FP8 training is not supported on the HSAP path; use --bf16"),
     "apply_layernorm_1p": ("--apply-layernorm-1p", "zero-centred norm weights are not supported by the HSAP "
                                                    "layer spec; drop the flag"),
-    "decoupled_lr": ("--decoupled-lr", "a separate learning rate for the embedding and output layers is not "
-                                       "supported; drop the flag"),
-    "decoupled_min_lr": ("--decoupled-min-lr", "a separate learning rate for the embedding and output layers "
-                                               "is not supported; drop the flag"),
-    "grad_reduce_in_bf16": ("--grad-reduce-in-bf16", "gradients are reduced in fp32 on this path; drop the flag"),
 }
 #: Megatron-LM's --cp-comm-type -> the HSAP --context-parallel-mode it means.
 CP_COMM_TYPES = {"p2p": "ring", "a2a": "ulysses", "a2a+p2p": "hybrid"}
@@ -176,8 +171,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="instead of --train-iters: iterations = samples // global batch size (as Megatron-LM)")
     g.add_argument("--lr", type=float, default=3e-3)
     g.add_argument("--min-lr", type=float, default=3e-4)
-    g.add_argument("--decoupled-lr", type=float, default=None, help="not supported (an error)")
-    g.add_argument("--decoupled-min-lr", type=float, default=None, help="not supported (an error)")
+    g.add_argument("--decoupled-lr", type=float, default=None,
+                   help="peak learning rate of the embedding and output layers (default --lr)")
+    g.add_argument("--decoupled-min-lr", type=float, default=None,
+                   help="with --decoupled-lr: their minimum learning rate (default --min-lr)")
     g.add_argument("--lr-warmup-iters", type=_non_negative_int, default=None,
                    help=f"default {DEFAULT_LR_WARMUP_ITERS} with --train-iters")
     g.add_argument("--lr-warmup-samples", type=_non_negative_int, default=None, help="with --train-samples")
@@ -196,7 +193,8 @@ def build_parser() -> argparse.ArgumentParser:
     precision.add_argument("--fp32", action="store_true", help="the default; listed for Megatron compatibility")
     precision.add_argument("--fp16", action="store_true", help="not supported (an error naming --bf16)")
     g.add_argument("--fp8-format", choices=("e4m3", "hybrid"), default=None, help="not supported (an error)")
-    g.add_argument("--grad-reduce-in-bf16", action="store_true", help="not supported (an error)")
+    g.add_argument("--grad-reduce-in-bf16", action="store_true",
+                   help="with --bf16: reduce gradients over data-parallel ranks in bf16 (default fp32)")
     g.add_argument("--calculate-per-token-loss", action="store_true",
                    help="accepted where it equals this loss: every micro-batch has the same number of loss tokens")
     g.add_argument("--use-distributed-optimizer", action="store_true")
@@ -430,6 +428,10 @@ def _map_megatron_flags(args: argparse.Namespace) -> None:
     for dest, (flag, why) in _UNSUPPORTED_FLAGS.items():
         if _given(args, dest):
             raise ValueError(f"{flag} is not supported: {why}")
+    if args.grad_reduce_in_bf16 and not args.bf16:
+        raise ValueError("--grad-reduce-in-bf16 needs --bf16")
+    if args.decoupled_min_lr is not None and args.decoupled_lr is None:
+        raise ValueError("--decoupled-min-lr needs --decoupled-lr")
     if args.ckpt_format != "torch_dist":
         raise ValueError(f"--ckpt-format {args.ckpt_format} is not supported: checkpoints are written with "
                          "Megatron-Core's dist_checkpointing (--ckpt-format torch_dist, the default)")

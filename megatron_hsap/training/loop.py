@@ -179,6 +179,7 @@ def _train(args: argparse.Namespace, signals: Any, started: float) -> List[Itera
         OptimizerConfig(optimizer="adam", lr=args.lr, min_lr=args.min_lr, weight_decay=args.weight_decay,
                         adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2, clip_grad=args.clip_grad,
                         bf16=args.bf16, params_dtype=config.params_dtype,
+                        decoupled_lr=args.decoupled_lr, decoupled_min_lr=args.decoupled_min_lr,
                         use_distributed_optimizer=args.use_distributed_optimizer), model)
     scheduler = OptimizerParamScheduler(
         optimizer, init_lr=0.0, max_lr=args.lr, min_lr=args.min_lr,
