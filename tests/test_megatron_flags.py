@@ -245,3 +245,14 @@ def test_sentencepiece_tokenizer(tmp_path):
     ids = tok.tokenize("the lazy dog")
     assert ids and all(0 <= i < tok.vocab_size for i in ids)
     assert tok.detokenize(ids) == "the lazy dog"
+
+
+def test_hugging_face_tokenizer_from_a_local_directory(tmp_path):
+    pytest.importorskip("transformers", reason="HuggingFaceTokenizer needs transformers (not installed)")
+    from megatron_hsap.training.tokenizer import build_tokenizer
+
+    write_gpt2_files(tmp_path)
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "GPT2Tokenizer",
+                                                                "eos_token": "<|endoftext|>"}))
+    tok = build_tokenizer("HuggingFaceTokenizer", tokenizer_model=str(tmp_path))
+    assert (tok.tokenize("hello world"), tok.eod) == ([12, 13, 4, 7, 3, 8], 0)

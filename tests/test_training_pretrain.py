@@ -172,6 +172,7 @@ def test_decoupled_lr_updates_only_embedding_and_output_at_their_own_rate(tmp_pa
     same = _train(tmp_path, cache_dir, 1, "--decoupled-lr", "3e-3", "--decoupled-min-lr", "3e-4", name="same")
     assert [(r["loss"], r["grad_norm"]) for r in same] == [(r["loss"], r["grad_norm"]) for r in reference]
     frozen = _train(tmp_path, cache_dir, 1, "--decoupled-lr", "0", "--decoupled-min-lr", "0", name="frozen")
-    assert frozen[0]["loss"] == reference[0]["loss"]
-    assert all(f["loss"] != r["loss"] for f, r in zip(frozen[1:], reference[1:]))
+    # the first update is at warmup step 0 (learning rate 0), so the runs part from iteration 3 on
+    assert [f["loss"] for f in frozen[:2]] == [r["loss"] for r in reference[:2]]
+    assert all(f["loss"] != r["loss"] for f, r in zip(frozen[2:], reference[2:]))
     assert [f["lr"] for f in frozen] == [r["lr"] for r in reference]  # the other layers keep --lr's schedule

@@ -39,8 +39,8 @@ IGNORED_FLAGS = {
     "--no-gradient-accumulation-fusion": 0, "--no-masked-softmax-fusion": 0, "--no-bias-gelu-fusion": 0,
     "--no-bias-swiglu-fusion": 0, "--no-bias-dropout-fusion": 0, "--no-rope-fusion": 0,
     "--fp8-amax-history-len": 1, "--fp8-amax-compute-algo": 1, "--fp8-param-gather": 0,
-    "--log-timers-to-tensorboard": 0, "--timing-log-level": 1, "--ddp-bucket-size": 1,
-    "--ddp-average-in-collective": 0, "--accumulate-allreduce-grads-in-fp32": 0, "--async-save": 0,
+    "--timing-log-level": 1, "--ddp-bucket-size": 1, "--ddp-average-in-collective": 0,
+    "--accumulate-allreduce-grads-in-fp32": 0,
 }
 #: Megatron-LM flags that would change results and are not supported here -> why (an error naming the flag).
 _UNSUPPORTED_FLAGS = {
