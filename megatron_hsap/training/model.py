@@ -75,7 +75,7 @@ def build_model(args: argparse.Namespace, config: Any, cp_config: ContextParalle
         if args.layout_independent_init:
             layout_independent_init(model, args.seed, args.init_method_std, args.num_layers)
         chunks.append(model)
-    ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=not args.grad_reduce_in_bf16,
+    ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=not getattr(args, "grad_reduce_in_bf16", False),
                                                overlap_grad_reduce=False,
                                                use_distributed_optimizer=args.use_distributed_optimizer)
     return [DistributedDataParallel(config=config, ddp_config=ddp_config, module=m, disable_bucketing=i > 0)
