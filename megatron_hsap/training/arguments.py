@@ -167,6 +167,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--no-progress-bar", action="store_true")
     g.add_argument("--log-json", default=None, help="write one JSON record per iteration to this file (rank 0)")
     add_sequence_chunk_args(p)
+    add_evaluation_logging_args(p)  # loop helper's block; the flags helper may own these flags after the merge
     return p
 
 
@@ -176,7 +177,7 @@ DEMO_FLAGS = ["--nproc", "8", "--ranks-per-node", "4", "--context-parallel-size"
               "--context-parallel-mode", "hsap", "--num-layers", "2", "--hidden-size", "64",
               "--num-attention-heads", "8", "--seq-length", "1024", "--micro-batch-size", "1",
               "--global-batch-size", "1", "--train-iters", "150", "--lr", "3e-3", "--min-lr", "3e-4",
-              "--lr-warmup-iters", "10", "--log-interval", "10"]
+              "--lr-warmup-iters", "10", "--log-interval", "10", "--eval-iters", "10"]
 
 
 def parse_args(argv: Optional[List[str]] = None, world_size: Optional[int] = None) -> argparse.Namespace:
@@ -285,6 +286,7 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
                          f"({os.environ['WORLD_SIZE']})")
     cp_config_from_args(args)
     resolve_sequence_chunks(args)
+    validate_evaluation_logging_args(args)
 
 
 def data_path_prefixes(data_path: List[str]) -> List[str]:
@@ -335,3 +337,33 @@ def resolve_sequence_chunks(args: argparse.Namespace) -> None:
         args.mlp_sequence_chunks = max(1, -(-tokens // args.hidden_size)) if hsap else 1
     if args.loss_sequence_chunks is None:
         args.loss_sequence_chunks = max(1, -(-tokens // LOSS_CHUNK_TOKENS)) if hsap else 1
+
+
+# ---- evaluation and logging (Megatron-LM's flags; behaviour in training/loop.py and iteration_log.py) ----
+def add_evaluation_logging_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("evaluation and logging (Megatron-LM's flags)")
+    g.add_argument("--eval-interval", type=_positive_int, default=1000,
+                   help="evaluate on the validation split every this many iterations (and once after training)")
+    g.add_argument("--eval-iters", type=_non_negative_int, default=100,
+                   help="global batches per evaluation; 0 turns evaluation off")
+    g.add_argument("--valid-data-path", nargs="*", default=None,
+                   help="validation dataset prefix(es), [w1] p1 [w2] p2 ...; with it --split is unused")
+    g.add_argument("--test-data-path", nargs="*", default=None,
+                   help="test dataset prefix(es), [w1] p1 [w2] p2 ...; with it --split is unused")
+    g.add_argument("--log-throughput", action="store_true",
+                   help="print model TFLOP/s per GPU (Megatron-LM's formula) on each iteration line")
+    g.add_argument("--wandb-project", default=None, help="log the scalars to this W&B project (needs wandb)")
+    g.add_argument("--wandb-exp-name", default=None)
+    g.add_argument("--wandb-save-dir", default=None)
+
+
+def validate_evaluation_logging_args(args: argparse.Namespace) -> None:
+    """Per-split paths need --data-path (the train split) and exist; the writers' packages are installed."""
+    for flag, path in (("--valid-data-path", args.valid_data_path), ("--test-data-path", args.test_data_path)):
+        if path and args.data_path is None:
+            raise ValueError(f"{flag} needs --data-path (the training data)")
+        for prefix in data_path_prefixes(path or []):
+            if not all(os.path.isfile(prefix + ext) for ext in (".bin", ".idx")):
+                raise ValueError(f"{flag}: {prefix}.bin/.idx not found")
+    if args.wandb_project is not None and importlib.util.find_spec("wandb") is None:
+        raise ValueError("--wandb-project needs the wandb package (pip install wandb)")

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import math
 import zlib
-from typing import Any, List
+from typing import Any, Dict, List
 
 import torch
 import torch.nn.functional as F
@@ -14,7 +15,7 @@ from megatron_hsap.config import ContextParallelConfig
 from megatron_hsap.megatron.cpu_shim import cpu_config_overrides
 from megatron_hsap.megatron.spec import get_gpt_decoder_block_hsap_spec
 
-__all__ = ["transformer_config", "padded_vocab_size", "build_model", "layout_independent_init"]
+__all__ = ["transformer_config", "fusion_settings", "padded_vocab_size", "build_model", "layout_independent_init"]
 
 
 def padded_vocab_size(vocab_size: int, args: argparse.Namespace) -> int:
@@ -45,8 +46,30 @@ def transformer_config(args: argparse.Namespace) -> Any:
         recompute_granularity=args.recompute_granularity,
         recompute_method=args.recompute_method if args.recompute_granularity == "full" else None,
         recompute_num_layers=args.recompute_num_layers if args.recompute_granularity == "full" else None,
-        bias_activation_fusion=False, masked_softmax_fusion=False, gradient_accumulation_fusion=False,
-        apply_rope_fusion=False, persist_layer_norm=False, bias_dropout_fusion=False, **cpu_config_overrides())
+        **fusion_settings(torch.cuda.is_available(), gelu_without_bias=not args.swiglu and args.disable_bias_linear),
+        **cpu_config_overrides())
+
+
+def fusion_settings(cuda: bool, gelu_without_bias: bool = False) -> Dict[str, bool]:
+    """Megatron's kernel fusions: on a GPU those the HSAP path allows (Megatron-LM's defaults), off on CPU.
+
+    - bias+activation (GeLU/SwiGLU), bias+dropout+add, persistent LayerNorm: untouched by HSAP, on
+      (bias+GeLU only with a bias: Megatron's config rejects the fusion for GeLU without one).
+    - gradient-accumulation fusion: on where its CUDA kernel (Apex's ``fused_weight_gradient_mlp_cuda``,
+      which Megatron's linear layers import) is installed; the head-chunked QKV path and the chunked
+      loss add their weight gradients to ``main_grad`` through DDP's hook either way.
+    - masked-softmax fusion: on (Megatron's default); HSAP's attention core does not use it.
+    - RoPE fusion: off. HSAP rotates each token at its in-document position with a per-token table,
+      a layout the fused kernel is not validated for.
+    Note the fused bias-GeLU uses GeLU's tanh approximation (as Megatron-LM on GPU).
+    """
+    return {"bias_activation_fusion": cuda and not gelu_without_bias, "bias_dropout_fusion": cuda,
+            "persist_layer_norm": cuda, "masked_softmax_fusion": cuda, "gradient_accumulation_fusion": cuda and _fused_wgrad_available(),
+            "apply_rope_fusion": False}
+
+
+def _fused_wgrad_available() -> bool:
+    return importlib.util.find_spec("fused_weight_gradient_mlp_cuda") is not None
 
 
 def build_model(args: argparse.Namespace, config: Any, cp_config: ContextParallelConfig, vocab_size: int) -> List[Any]:
