@@ -6,7 +6,7 @@ import argparse
 import importlib.util
 import math
 import zlib
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Optional
 
 import torch
 import torch.nn.functional as F
@@ -15,7 +15,8 @@ from megatron_hsap.config import ContextParallelConfig
 from megatron_hsap.megatron.cpu_shim import cpu_config_overrides
 from megatron_hsap.megatron.spec import get_gpt_decoder_block_hsap_spec
 
-__all__ = ["transformer_config", "fusion_settings", "padded_vocab_size", "build_model", "layout_independent_init"]
+__all__ = ["transformer_config", "fusion_settings", "padded_vocab_size", "build_model", "build_gpt_chunk",
+           "layout_independent_init"]
 
 
 def padded_vocab_size(vocab_size: int, args: argparse.Namespace) -> int:
@@ -77,22 +78,14 @@ def build_model(args: argparse.Namespace, config: Any, cp_config: ContextParalle
     from megatron.core import parallel_state as mpu
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
-    from megatron_hsap.megatron.sequence_chunks import HSAPGPTModel
-
     num_chunks = config.virtual_pipeline_model_parallel_size or 1
     chunks = []
     for vp_stage in range(num_chunks):
         stage = vp_stage if num_chunks > 1 else None
-        block = get_gpt_decoder_block_hsap_spec(config, cp_config, vp_stage=stage,
-                                                mlp_sequence_chunks=getattr(args, "mlp_sequence_chunks", 1))
-        model = HSAPGPTModel(
-            loss_sequence_chunks=getattr(args, "loss_sequence_chunks", 1),
-            config=config, transformer_layer_spec=block, vocab_size=padded_vocab_size(vocab_size, args),
-            max_sequence_length=args.max_position_embeddings,
-            pre_process=mpu.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage),
-            post_process=mpu.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage),
-            share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
-            position_embedding_type=args.position_embedding_type, rotary_base=args.rotary_base, vp_stage=stage)
+        model = build_gpt_chunk(args, config, cp_config, padded_vocab_size(vocab_size, args),
+                                pre_process=mpu.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage),
+                                post_process=mpu.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage),
+                                vp_stage=stage)
         if args.layout_independent_init:
             layout_independent_init(model, args.seed, args.init_method_std, args.num_layers)
         chunks.append(model)
@@ -100,6 +93,22 @@ def build_model(args: argparse.Namespace, config: Any, cp_config: ContextParalle
                                                use_distributed_optimizer=args.use_distributed_optimizer)
     return [DistributedDataParallel(config=config, ddp_config=ddp_config, module=m, disable_bucketing=i > 0)
             for i, m in enumerate(chunks)]
+
+
+def build_gpt_chunk(args: argparse.Namespace, config: Any, cp_config: ContextParallelConfig, padded_vocab: int,
+                    pre_process: bool, post_process: bool, vp_stage: Optional[int]) -> Any:
+    """One unwrapped GPTModel chunk with the HSAP layer spec (also Megatron-LM's model provider's, see
+    ``megatron_hsap.megatron_lm``). ``args`` needs Megatron-LM's model flags plus ``--mlp/loss-sequence-chunks``."""
+    from megatron_hsap.megatron.sequence_chunks import HSAPGPTModel
+
+    block = get_gpt_decoder_block_hsap_spec(config, cp_config, vp_stage=vp_stage,
+                                            mlp_sequence_chunks=args.mlp_sequence_chunks)
+    return HSAPGPTModel(
+        loss_sequence_chunks=args.loss_sequence_chunks,
+        config=config, transformer_layer_spec=block, vocab_size=padded_vocab,
+        max_sequence_length=args.max_position_embeddings, pre_process=pre_process, post_process=post_process,
+        share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+        position_embedding_type=args.position_embedding_type, rotary_base=args.rotary_base, vp_stage=vp_stage)
 
 
 def layout_independent_init(model: torch.nn.Module, seed: int, std: float, num_layers: int) -> None:
