@@ -160,3 +160,45 @@ def test_fusions_on_gpu_only():
     gpu = fusion_settings(cuda=True)
     assert gpu["bias_activation_fusion"] and gpu["bias_dropout_fusion"] and not gpu["apply_rope_fusion"]
     assert not fusion_settings(cuda=True, gelu_without_bias=True)["bias_activation_fusion"]
+
+
+def _data_args(**overrides):
+    from megatron_hsap.training.arguments import build_parser
+
+    args = build_parser().parse_args(["--train-iters", "10", "--eval-interval", "4", "--eval-iters", "3"])
+    args.global_batch_size = 8
+    for key, value in overrides.items():
+        setattr(args, key, value)
+    return args
+
+
+def test_split_sizes_are_megatron_lms():
+    from megatron_hsap.training.data import split_sizes
+
+    # train_iters x GBS; (train_iters // eval_interval + 1) evaluations of eval_iters x GBS; one test evaluation
+    assert split_sizes(_data_args()) == [80, (10 // 4 + 1) * 3 * 8, 3 * 8]
+
+
+def test_per_split_paths_give_each_split_its_blend(tmp_path):
+    from megatron_hsap.training.data import dataset_config
+    from megatron_hsap.training.tokenizer import build_tokenizer
+
+    tokenizer = build_tokenizer("ByteLevelTokenizer", None, None)
+    args = _data_args(data_cache_path=str(tmp_path), valid_data_path=["0.3", "v1", "0.7", "v2"])
+    config = dataset_config(args, tokenizer, ["t"])
+    assert config.blend is None and config.split is None
+    assert config.blend_per_split == [(["t"], None), (["v1", "v2"], [0.3, 0.7]), None]
+    config = dataset_config(_data_args(data_cache_path=str(tmp_path)), tokenizer, ["t"])
+    assert config.blend == (["t"], None) and config.split == "969,30,1" and config.blend_per_split is None
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--valid-data-path", "/nowhere/v"], "--valid-data-path needs --data-path"),
+    (["--mock-data", "--test-data-path", "/nowhere/t"], "--test-data-path needs --data-path"),
+])
+def test_per_split_flags_are_checked(capsys, flags, message):
+    from megatron_hsap.training.arguments import parse_args
+
+    with pytest.raises(SystemExit):
+        parse_args(["--nproc", "1"] + flags, world_size=1)
+    assert message in capsys.readouterr().err
