@@ -145,7 +145,7 @@ def micro_batches(dataset: Any, args: argparse.Namespace, data_parallel_rank: in
                 ids = batch[key]
                 if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab_size):
                     bad = ids[(ids < 0) | (ids >= vocab_size)][0]
-                    raise ValueError(f"{label}iteration {iteration + 1}: samples {first}..{first + mbs - 1} hold {key} id "
-                                     f"{int(bad)}, outside the vocabulary [0, {vocab_size}); the data does not "
-                                     "match the tokenizer")
+                    raise ValueError(f"{label}iteration {iteration + 1}: samples {first}..{first + mbs - 1} hold "
+                                     f"{key} id {int(bad)}, outside the vocabulary [0, {vocab_size}); the data "
+                                     "does not match the tokenizer")
             yield batch

@@ -65,7 +65,8 @@ def fusion_settings(cuda: bool, gelu_without_bias: bool = False) -> Dict[str, bo
     Note the fused bias-GeLU uses GeLU's tanh approximation (as Megatron-LM on GPU).
     """
     return {"bias_activation_fusion": cuda and not gelu_without_bias, "bias_dropout_fusion": cuda,
-            "persist_layer_norm": cuda, "masked_softmax_fusion": cuda, "gradient_accumulation_fusion": cuda and _fused_wgrad_available(),
+            "persist_layer_norm": cuda, "masked_softmax_fusion": cuda,
+            "gradient_accumulation_fusion": cuda and _fused_wgrad_available(),
             "apply_rope_fusion": False}
 
 
