@@ -5,7 +5,8 @@ Megatron-LM (``megatron.training``) is not on the package index, so only the cal
 own ``initialize_model_parallel`` (what ``initialize_megatron`` calls, no HSAP sub-groups), then
 ``model_provider`` (which attaches the HSAP topology), then Megatron-Core's forward-only schedule
 with ``forward_step``. The CP=2 loss (ulysses and ring, sub-groups created by the attach) must equal
-the training loop's CP=1 loss on the same packed micro-batches within fp32 round-off.
+the training loop's CP=1 loss on the same packed micro-batches within fp32 round-off (ulysses with
+Megatron's hierarchical CP groups reused, ring with the HSAP sub-groups created by the attach).
 """
 
 from __future__ import annotations
@@ -100,11 +101,16 @@ def _loss_body(cp: int, mode: str, megatron_lm_path: bool) -> List[float]:
     args = _args(cp, mode)
     config = transformer_config(args)
     if megatron_lm_path:  # as Megatron-LM: its own groups, then the provider attaches HSAP's
-        mpu.initialize_model_parallel(context_parallel_size=cp)
+        # with ulysses, as Megatron-LM's --hierarchical-context-parallel-sizes 2 1 (reused by the attach);
+        # with ring, no hierarchical groups (the attach creates the sub-groups)
+        hierarchical = [cp, 1] if mode == "ulysses" else None
+        mpu.initialize_model_parallel(context_parallel_size=cp, hierarchical_context_parallel_sizes=hierarchical)
         model_parallel_cuda_manual_seed(args.seed)
         model = model_provider(pre_process=True, post_process=True, args=args, config=config)
         topology = get_cp_topology()
         assert topology.cp_size == cp and topology.ulysses_size == (cp if mode == "ulysses" else 1)
+        if hierarchical is not None:
+            assert topology.ulysses_group is mpu.get_hierarchical_context_parallel_groups()[0]
         step = partial(forward_step, eod=0, split_at_eod=True)
         data = iter(_batches())
     else:  # the training loop's own path
