@@ -33,9 +33,13 @@ def test_cpu_demo_trains_with_hsap_across_two_emulated_nodes(tmp_path):
     assert result.stderr == "" and "Warning" not in result.stdout, result.stderr[-4000:]
     assert result.stdout.count("Megatron-Core uses its PyTorch fallbacks") == (1 if fallback_summary() else 0)
     assert "mode hsap, ulysses 4 x ring 2" in result.stdout and "nodes 2" in result.stdout
-    assert f"iteration {ITERS:>6}/{ITERS:>6}" in result.stdout
-    records = [json.loads(line) for line in log.read_text().splitlines()]
+    assert f"iteration {ITERS:8d}/{ITERS:8d} | consumed samples:" in result.stdout
+    assert f"validation loss at iteration {ITERS} on validation set | lm loss value:" in result.stdout
+    assert f"validation loss at iteration {ITERS} on test set | lm loss value:" in result.stdout
+    entries = [json.loads(line) for line in log.read_text().splitlines()]
+    records = [r for r in entries if "evaluation" not in r]
     assert [r["iteration"] for r in records] == list(range(10, ITERS + 1, 10))
+    assert [e["evaluation"] for e in entries if "evaluation" in e] == ["validation", "test"]
     assert all(r["cp_bytes_intra"] > 0 and r["cp_bytes_inter"] > 0 for r in records)
     first, last = records[0]["loss"], min(r["loss"] for r in records[-3:])
     assert last < first - 1.0, f"loss {first:.3f} -> {last:.3f}"

@@ -207,8 +207,6 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--data-path", nargs="+", default=None,
                    help="indexed dataset prefix(es), optionally weighted: [w1] p1 [w2] p2 ...")
     g.add_argument("--split", default="969,30,1")
-    g.add_argument("--valid-data-path", nargs="*", default=None, help="validation dataset prefix(es), as --data-path")
-    g.add_argument("--test-data-path", nargs="*", default=None, help="test dataset prefix(es), as --data-path")
     add_tokenizer_args(g)
     g.add_argument("--mock-data", action="store_true")
     g.add_argument("--reset-attention-mask", action="store_true",
@@ -249,17 +247,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     g = p.add_argument_group("logging")
     g.add_argument("--log-interval", type=_positive_int, default=1)
-    g.add_argument("--log-throughput", action="store_true", help="throughput (TFLOP/s per device) in iteration lines")
     g.add_argument("--tensorboard-dir", default=None)
-    g.add_argument("--wandb-project", default="", help="log to Weights & Biases (needs the wandb package)")
-    g.add_argument("--wandb-exp-name", default="")
-    g.add_argument("--wandb-save-dir", default="")
     g.add_argument("--no-progress-bar", action="store_true")
     g.add_argument("--log-json", default=None, help="write one JSON record per iteration to this file (rank 0)")
-    g = p.add_argument_group("evaluation")
-    g.add_argument("--eval-interval", type=_positive_int, default=1000, help="iterations between evaluations")
-    g.add_argument("--eval-iters", type=_non_negative_int, default=100,
-                   help="iterations per evaluation (0: no evaluation)")
 
     g = p.add_argument_group("Megatron-LM flags without effect on this path (accepted, listed once as ignored)")
     for flag, nargs in IGNORED_FLAGS.items():
@@ -268,6 +258,7 @@ def build_parser() -> argparse.ArgumentParser:
         else:
             g.add_argument(flag, nargs=None if nargs == 1 else nargs, default=None)
     add_sequence_chunk_args(p)
+    add_evaluation_logging_args(p)
     return p
 
 
@@ -289,7 +280,7 @@ DEMO_FLAGS = ["--nproc", "8", "--ranks-per-node", "4", "--context-parallel-size"
               "--context-parallel-mode", "hsap", "--num-layers", "2", "--hidden-size", "64",
               "--num-attention-heads", "8", "--seq-length", "1024", "--micro-batch-size", "1",
               "--global-batch-size", "1", "--train-iters", "150", "--lr", "3e-3", "--min-lr", "3e-4",
-              "--lr-warmup-iters", "10", "--log-interval", "10"]
+              "--lr-warmup-iters", "10", "--log-interval", "10", "--eval-iters", "10"]
 
 
 def parse_args(argv: Optional[List[str]] = None, world_size: Optional[int] = None) -> argparse.Namespace:
@@ -549,6 +540,7 @@ def _check_per_token_loss(args: argparse.Namespace) -> None:
                          "the embedded corpus): the loss here averages each micro-batch's per-token mean, which "
                          "equals Megatron-LM's per-token loss only when all micro-batches have the same number of "
                          "loss tokens; drop one of the two, or use one micro-batch per global batch")
+    validate_evaluation_logging_args(args)
 
 
 def data_path_prefixes(data_path: List[str]) -> List[str]:
@@ -599,3 +591,30 @@ def resolve_sequence_chunks(args: argparse.Namespace) -> None:
         args.mlp_sequence_chunks = max(1, -(-tokens // args.hidden_size)) if hsap else 1
     if args.loss_sequence_chunks is None:
         args.loss_sequence_chunks = max(1, -(-tokens // LOSS_CHUNK_TOKENS)) if hsap else 1
+
+
+# ---- evaluation and logging (Megatron-LM's flags; behaviour in training/loop.py and iteration_log.py) ----
+def add_evaluation_logging_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("evaluation and logging (Megatron-LM's flags)")
+    g.add_argument("--eval-interval", type=_positive_int, default=1000,
+                   help="evaluate on the validation split every this many iterations (and once after training)")
+    g.add_argument("--eval-iters", type=_non_negative_int, default=100,
+                   help="global batches per evaluation; 0 turns evaluation off")
+    g.add_argument("--valid-data-path", nargs="*", default=None,
+                   help="validation dataset prefix(es), [w1] p1 [w2] p2 ...; with it --split is unused")
+    g.add_argument("--test-data-path", nargs="*", default=None,
+                   help="test dataset prefix(es), [w1] p1 [w2] p2 ...; with it --split is unused")
+    g.add_argument("--log-throughput", action="store_true",
+                   help="print model TFLOP/s per GPU (Megatron-LM's formula) on each iteration line")
+    g.add_argument("--wandb-project", default=None, help="log the scalars to this W&B project (needs wandb)")
+    g.add_argument("--wandb-exp-name", default=None)
+    g.add_argument("--wandb-save-dir", default=None)
+
+
+def validate_evaluation_logging_args(args: argparse.Namespace) -> None:
+    """Per-split paths need --data-path (the train split); the writers' packages are installed."""
+    for flag, path in (("--valid-data-path", args.valid_data_path), ("--test-data-path", args.test_data_path)):
+        if path and args.data_path is None:
+            raise ValueError(f"{flag} needs --data-path (the training data)")
+    if args.wandb_project is not None and importlib.util.find_spec("wandb") is None:
+        raise ValueError("--wandb-project needs the wandb package (pip install wandb)")
