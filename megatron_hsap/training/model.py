@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from megatron_hsap.config import ContextParallelConfig
 from megatron_hsap.megatron.cpu_shim import cpu_config_overrides
-from megatron_hsap.megatron.spec import get_gpt_decoder_block_hsap_spec
+from megatron_hsap.megatron.spec import get_gpt_decoder_block_hsap_spec, use_transformer_engine
 
 __all__ = ["transformer_config", "padded_vocab_size", "build_model", "layout_independent_init"]
 
@@ -57,10 +57,11 @@ def build_model(args: argparse.Namespace, config: Any, cp_config: ContextParalle
     from megatron_hsap.megatron.sequence_chunks import HSAPGPTModel
 
     num_chunks = config.virtual_pipeline_model_parallel_size or 1
+    use_te = use_transformer_engine(getattr(args, "transformer_impl", "local"))
     chunks = []
     for vp_stage in range(num_chunks):
         stage = vp_stage if num_chunks > 1 else None
-        block = get_gpt_decoder_block_hsap_spec(config, cp_config, vp_stage=stage,
+        block = get_gpt_decoder_block_hsap_spec(config, cp_config, vp_stage=stage, use_transformer_engine=use_te,
                                                 mlp_sequence_chunks=getattr(args, "mlp_sequence_chunks", 1))
         model = HSAPGPTModel(
             loss_sequence_chunks=getattr(args, "loss_sequence_chunks", 1),
