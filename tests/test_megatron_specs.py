@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 from typing import Any, Dict, List, Optional
 
 import pytest
@@ -142,7 +143,7 @@ class LayerNormColumnLinearStandIn(torch.nn.Module):
     """CPU stand-in for Megatron's ``TELayerNormColumnParallelLinear``: its constructor, its attributes
     (``layer_norm_weight``, ``layer_norm_bias``, ``weight``, ``bias``, ``normalization``, ``zero_centered_gamma``,
     ``eps``) and TE's maths, written out independently: norm of this rank's rows, sequence-parallel all-gather (or
-    TP copy), GEMM + bias. Parameters are random so a wrong norm or a missing gradient shows."""
+    TP copy), GEMM + bias. Initialised like TE (gamma 1, or 0 when zero-centered; beta 0)."""
 
     def __init__(self, input_size: int, output_size: int, *, config: Any, tp_group: Any, bias: bool,
                  **unused: Any) -> None:
@@ -151,13 +152,11 @@ class LayerNormColumnLinearStandIn(torch.nn.Module):
         self.config, self.tp_group = config, tp_group
         self.normalization, self.eps = config.normalization, config.layernorm_epsilon
         self.zero_centered_gamma = config.layernorm_zero_centered_gamma
-        replicated = torch.Generator().manual_seed(5)  # the same on every TP rank
-        gamma = 0.2 * torch.randn(input_size, generator=replicated, dtype=config.params_dtype)
-        self.layer_norm_weight = torch.nn.Parameter(gamma if self.zero_centered_gamma else 1 + gamma)
+        gamma = torch.zeros if self.zero_centered_gamma else torch.ones
+        self.layer_norm_weight = torch.nn.Parameter(gamma(input_size, dtype=config.params_dtype))
         self.layer_norm_bias = None
         if self.normalization == "LayerNorm":
-            self.layer_norm_bias = torch.nn.Parameter(0.1 * torch.randn(input_size, generator=replicated,
-                                                                        dtype=config.params_dtype))
+            self.layer_norm_bias = torch.nn.Parameter(torch.zeros(input_size, dtype=config.params_dtype))
         shard = torch.Generator().manual_seed(11 + rank)
         self.weight = torch.nn.Parameter(torch.randn(output_size // tp, input_size, generator=shard,
                                                      dtype=config.params_dtype) / input_size ** 0.5)
@@ -182,11 +181,12 @@ class LayerNormColumnLinearStandIn(torch.nn.Module):
         return F.linear(y, self.weight, self.bias), None
 
 
-CASES = [  # (tp, cp, TransformerConfig overrides, mask type, with the TE-structured linear_qkv)
-    (1, 2, dict(normalization="LayerNorm", layernorm_zero_centered_gamma=True), "causal", True),
-    (1, 2, dict(normalization="RMSNorm", rotary_interleaved=True), "no_mask", True),
-    (2, 1, dict(normalization="LayerNorm", sequence_parallel=True, rotary_interleaved=True), "causal", True),
-    (2, 1, dict(normalization="RMSNorm", sequence_parallel=True), "causal", False),
+CASES = [  # (tp, cp, TransformerConfig overrides, mask type, linear_qkv: the TE-structured stand-in or Megatron's)
+    (1, 2, dict(normalization="LayerNorm", layernorm_zero_centered_gamma=True), "causal", LayerNormColumnLinearStandIn),
+    (1, 2, dict(normalization="RMSNorm", rotary_interleaved=True), "no_mask", LayerNormColumnLinearStandIn),
+    (2, 1, dict(normalization="LayerNorm", sequence_parallel=True, rotary_interleaved=True), "causal",
+     LayerNormColumnLinearStandIn),
+    (2, 1, dict(normalization="RMSNorm", sequence_parallel=True), "causal", None),
 ]
 
 
@@ -217,7 +217,10 @@ def _saved_activation_shapes(attention: Any, hidden: torch.Tensor, table: torch.
     return shapes
 
 
-def _head_chunks_case(tp: int, cp: int, overrides: Dict[str, Any], mask: str, te_structure: bool) -> Dict[str, Any]:
+def _head_chunks_case(tp: int, cp: int, overrides: Dict[str, Any], mask: str, linear_qkv: Optional[type],
+                      dtype: torch.dtype = torch.float64) -> Dict[str, Any]:
+    """One case on this rank: the attention's output and gradients with head chunks vs without (relative errors),
+    and the saved activation shapes under sequence parallelism. CUDA when available (TE), else CPU."""
     from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
     from megatron.core.transformer.enums import AttnMaskType
@@ -233,28 +236,33 @@ def _head_chunks_case(tp: int, cp: int, overrides: Dict[str, Any], mask: str, te
     cp_config = ContextParallelConfig(mode="ulysses", head_chunk_size=cp)  # the smallest chunk: most stages
     initialize_model_parallel(tensor_model_parallel_size=tp, context_parallel_size=cp, cp_config=cp_config)
     model_parallel_cuda_manual_seed(3)
-    config = _config(tensor_model_parallel_size=tp, params_dtype=torch.float64, add_bias_linear=True,
-                     **overrides)
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    config = _config(tensor_model_parallel_size=tp, params_dtype=dtype, add_bias_linear=True, **overrides)
     spec = get_gpt_layer_hsap_spec(cp_config, use_transformer_engine=False).submodules.self_attention
-    if te_structure:  # the TE spec's attention: the input norm inside linear_qkv
-        spec.submodules.linear_qkv = LayerNormColumnLinearStandIn
+    if linear_qkv is not None:  # the TE spec's attention: the input norm inside linear_qkv
+        spec.submodules.linear_qkv = linear_qkv
     spec.params["attn_mask_type"] = AttnMaskType[mask]
-    attention = spec.module(config=config, submodules=spec.submodules, layer_number=1, **spec.params)
+    attention = spec.module(config=config, submodules=spec.submodules, layer_number=1, **spec.params).to(device)
     assert attention.q_layernorm is None or isinstance(attention.q_layernorm, IdentityOp)
+    noise = torch.Generator().manual_seed(5)  # the same on every TP rank: norm parameters are replicated
+    with torch.no_grad():  # away from their initial 1 / 0, so a wrong norm or a missing gradient shows
+        for name, param in attention.named_parameters():
+            if "layer_norm" in name:
+                param.add_(0.2 * torch.randn(param.shape, generator=noise).to(param))
 
     cu = torch.tensor(DOCS, dtype=torch.int32)
     plan = plan_batch(cu, get_cp_topology(), "zigzag")
     params = HSAPPackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=64,
                                  max_seqlen_kv=64, plan=plan)
     table = RotaryEmbedding(kv_channels=HIDDEN // HEADS, rotary_percent=1.0, use_cpu_initialization=True,
-                            rotary_interleaved=config.rotary_interleaved)(64, packed_seq=True).to(torch.float64)
+                            rotary_interleaved=config.rotary_interleaved)(64, packed_seq=True).to(device)
     rows = plan.tokens_per_rank // tp  # this TP rank's rows under sequence parallelism
     tp_rank = torch.distributed.get_rank() % tp
     sp = config.sequence_parallel
     gen = torch.Generator().manual_seed(100 + torch.distributed.get_rank() // tp)  # same on the TP ranks of a CP rank
-    full = torch.randn(plan.tokens_per_rank, 1, HIDDEN, generator=gen, dtype=torch.float64)
+    full = torch.randn(plan.tokens_per_rank, 1, HIDDEN, generator=gen).to(device, dtype)
     hidden = full[tp_rank * rows:(tp_rank + 1) * rows] if sp else full
-    grad_out = torch.randn(hidden.shape, generator=gen, dtype=torch.float64)
+    grad_out = torch.randn(hidden.shape, generator=gen).to(device, dtype)
 
     chunked = _attention_grads(attention, hidden, table, params, grad_out)
     assert attention._head_chunk_size(plan) == cp < heads  # the head-chunked path ran
@@ -262,7 +270,7 @@ def _head_chunks_case(tp: int, cp: int, overrides: Dict[str, Any], mask: str, te
     assert attention._head_chunk_size(plan) is None
     plain = _attention_grads(attention, hidden, table, params, grad_out)
     assert chunked.keys() == plain.keys() and all(v is not None for v in chunked.values()), chunked.keys()
-    errors = {k: (chunked[k] - plain[k]).abs().max().item() / max(plain[k].abs().max().item(), 1e-30)
+    errors = {k: ((chunked[k] - plain[k]).abs().max() / plain[k].abs().max().clamp_min(1e-30)).item()
               for k in plain}
     attention.cp_config = cp_config
     saved = _saved_activation_shapes(attention, hidden, table, params) if sp else []
@@ -288,9 +296,9 @@ def test_head_chunks_match_unchunked_path():
     output projection) of the head-chunked path equal the unchunked path (linear_qkv's own forward + HSAP core
     attention), for each of CASES."""
     for case, (rank0, rank1) in zip(CASES, zip(*run_distributed_fresh(_head_chunks_body, 2, timeout=300))):
-        tp, cp, overrides, mask, te_structure = case
+        tp, cp, overrides, mask, linear_qkv = case
         for result in (rank0, rank1):
-            if te_structure:
+            if linear_qkv is not None:
                 assert {"linear_qkv.layer_norm_weight", "linear_qkv.weight", "linear_qkv.bias"} <= set(result["names"])
             assert max(result["errors"].values()) < 1e-12, (case, result["errors"])
             if overrides.get("sequence_parallel"):
@@ -300,7 +308,18 @@ def test_head_chunks_match_unchunked_path():
                 assert inputs and all(s[0] == result["rows"] for s in inputs), (case, result["saved"])
 
 
-@pytest.mark.skip(reason="needs transformer_engine and a CUDA device for TELayerNormColumnParallelLinear's kernel; "
-                         "its structure and the head-chunked maths are tested above on CPU")
-def test_transformer_engine_kernel_matches_head_chunks():
-    pass
+def _transformer_engine_body() -> Dict[str, Any]:
+    from megatron.core.extensions.transformer_engine import TELayerNormColumnParallelLinear
+
+    return _head_chunks_case(1, 1, dict(normalization="LayerNorm", layernorm_zero_centered_gamma=True,
+                                        bf16=True), "causal", TELayerNormColumnParallelLinear, torch.bfloat16)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("transformer_engine") is None or not torch.cuda.is_available(),
+                    reason="TELayerNormColumnParallelLinear's kernel needs transformer_engine and a CUDA device; the "
+                           "TE spec's structure and the head-chunked maths on its attributes are tested above on CPU")
+def test_transformer_engine_linear_qkv_head_chunks():
+    """bf16 on one GPU: head chunks on TE's own TELayerNormColumnParallelLinear match its fused forward/backward."""
+    result = run_distributed_fresh(_transformer_engine_body, 1, timeout=300)[0]
+    assert {"linear_qkv.layer_norm_weight", "linear_qkv.layer_norm_bias", "linear_qkv.weight"} <= set(result["names"])
+    assert max(result["errors"].values()) < 3e-2, result["errors"]
