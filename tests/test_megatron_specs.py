@@ -110,7 +110,8 @@ def test_transformer_engine_spec_structure():
     qk_norm = get_gpt_layer_hsap_spec(cp_config, use_transformer_engine=True, qk_layernorm=True)
     assert qk_norm.submodules.self_attention.submodules.q_layernorm is te.TENorm
     if not te.HAVE_TE:  # Megatron's TE names are placeholders here: building must fail clearly, not "succeed"
-        with pytest.raises(ValueError, match="linear_qkv=.*needs transformer_engine installed"):
+        with pytest.raises(ValueError, match="linear_qkv=.* is a TransformerEngine class, but transformer_engine is "
+                                             "not installed; use the local spec"):
             attention.module(config=_config(), submodules=sub, layer_number=1, cp_config=cp_config)
 
 

@@ -25,7 +25,6 @@ here, so Megatron's own CP code paths (rotary slicing, TE's CP attention) stay o
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import math
 import warnings
 from dataclasses import dataclass
@@ -249,15 +248,19 @@ def _input_norm(linear: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 
 def _check_submodules_buildable(submodules: Any) -> None:
-    """Every submodule must be a class or ModuleSpec of one: a TE spec built where TransformerEngine is not
-    installed holds Megatron's placeholders, which would "build" without an error."""
+    """A TE spec built where TransformerEngine is not installed holds Megatron's placeholders for the TE
+    classes, which would "build" without an error: refuse them by name."""
+    from megatron.core.extensions import transformer_engine as te_ext
+
+    if te_ext.HAVE_TE:
+        return
+    placeholders = {id(value) for name, value in vars(te_ext).items() if name.startswith("TE")}
     for field in dataclasses.fields(submodules):
         module = getattr(submodules, field.name)
         module = module.module if isinstance(module, ModuleSpec) else module
-        if module is not None and not inspect.isclass(module):
-            raise ValueError(f"self_attention submodule {field.name}={module!r} is not a module class: the "
-                             "TransformerEngine layer spec needs transformer_engine installed (and a GPU); "
-                             "use the local spec (--transformer-impl local)")
+        if id(module) in placeholders:
+            raise ValueError(f"self_attention submodule {field.name}={module!r} is a TransformerEngine class, but "
+                             "transformer_engine is not installed; use the local spec (--transformer-impl local)")
 
 
 def check_hsap_attention_config(config: Any, attn_mask_type: AttnMaskType = AttnMaskType.causal) -> None:
