@@ -275,8 +275,14 @@ def _head_chunks_case(tp: int, cp: int, overrides: Dict[str, Any], mask: str, li
               for k in plain}
     attention.cp_config = cp_config
     saved = _saved_activation_shapes(attention, hidden, table, params) if sp else []
+    with torch.no_grad():  # no_rope_freq: this layer (number 1) becomes a NoPE layer, as in Megatron
+        config.no_rope_freq = [1, 0]
+        nope = attention(hidden, None, rotary_pos_emb=table, packed_seq_params=params)[0]
+        config.no_rope_freq = None
+        no_table = attention(hidden, None, rotary_pos_emb=None, packed_seq_params=params)[0]
     return {"errors": errors, "saved": saved, "rows": rows, "tokens": plan.tokens_per_rank,
-            "names": sorted(chunked)}
+            "names": sorted(chunked), "nope_is_no_rope": torch.equal(nope, no_table),
+            "rope_matters": not torch.allclose(no_table, chunked["out"])}
 
 
 def _head_chunks_body() -> List[Dict[str, Any]]:
@@ -302,6 +308,7 @@ def test_head_chunks_match_unchunked_path():
             if linear_qkv is not None:
                 assert {"linear_qkv.layer_norm_weight", "linear_qkv.weight", "linear_qkv.bias"} <= set(result["names"])
             assert max(result["errors"].values()) < 1e-12, (case, result["errors"])
+            assert result["nope_is_no_rope"] and result["rope_matters"]
             if overrides.get("sequence_parallel"):
                 # Only this TP rank's rows [t/tp, 1, hidden] of the attention input are kept for the backward,
                 # never the gathered [t, 1, hidden] (Megatron's ColumnParallelLinear semantics).
