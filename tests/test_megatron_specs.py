@@ -42,6 +42,7 @@ REJECTED = [
     (dict(qk_l2_norm=True), None, "qk_l2_norm=True.*allowed: False"),
     (dict(qk_clip=True), None, "qk_clip=True"),
     (dict(log_max_attention_logit=True), None, "log_max_attention_logit=True"),
+    (dict(multi_latent_attention=True), None, "multi_latent_attention=True.*allowed: False"),
     (dict(attention_dropout=0.1), None, "attention_dropout=0.1"),
     (dict(attention_output_gate=True), None, "attention_output_gate=True"),
     ({}, "arbitrary", "attn_mask_type=arbitrary.*allowed: causal, padding_causal, causal_bottom_right, no_mask, "
