@@ -537,9 +537,10 @@ def head_chunked_attention(hidden: torch.Tensor, qkv_weight: torch.Tensor, qkv_b
     ``[s_local, d_rot]`` in Megatron's layout (e.g. GPTModel's table indexed by
     ``plan.position_ids``); None = ``rope_angles(plan.position_ids, head_dim, rope_base)``;
     both None = no rotary embedding. rotary_interleaved: Megatron's ``rotary_interleaved`` RoPE
-    (rotated pairs (2i, 2i+1), angles each repeated twice in a row) instead of rotate-half. head_chunk_size U: query heads per stage (multiple of the
-    Ulysses size, dividing num_heads_q); None = the topology config's default (``hsap``: the
-    Ulysses size; other modes: all heads, i.e. plain Ulysses). comm_log: a list that receives
+    (rotated pairs (2i, 2i+1), angles each repeated twice in a row) instead of rotate-half.
+    head_chunk_size U: query heads per stage (multiple of the Ulysses size, dividing num_heads_q);
+    None = the topology config's default (``hsap``: the Ulysses size; other modes: all heads,
+    i.e. plain Ulysses). comm_log: a list that receives
     ``(direction, stage, CommStats)`` per stage. Returns ``[s_local, 1, H * d]`` in the original
     head order (the input of ``linear_proj``). Everything is validated before any collective.
     """
