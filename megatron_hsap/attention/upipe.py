@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
 
 import torch
+import torch.distributed as dist
 
 from megatron_hsap.attention.context_parallel import check_device_matches_backend
 from megatron_hsap.attention.head_schedule import HeadSchedule, Stage, build_head_schedule
@@ -44,27 +45,35 @@ OP_QKV_BWD, OP_OUT_BWD, OP_DQKV_BWD = "upipe_qkv_bwd", "upipe_out_bwd", "upipe_d
 CommLog = List[Tuple[str, int, CommStats]]
 
 
-def rope_angles(position_ids: torch.Tensor, rotary_dim: int, base: float = 10000.0) -> torch.Tensor:
-    """Megatron's non-interleaved RoPE angles ``[t, rotary_dim]`` (fp32) for int positions ``[t]``:
-    inv_freq = base^(-2i/rotary_dim), angles = cat(pos * inv_freq, pos * inv_freq)."""
+def rope_angles(position_ids: torch.Tensor, rotary_dim: int, base: float = 10000.0,
+                interleaved: bool = False) -> torch.Tensor:
+    """Megatron's RoPE angles ``[t, rotary_dim]`` (fp32) for int positions ``[t]``: inv_freq =
+    base^(-2i/rotary_dim), angles = cat(pos * inv_freq, pos * inv_freq), or with ``interleaved``
+    each angle twice in a row (the layout of Megatron's ``RotaryEmbedding(rotary_interleaved=True)``)."""
     inv_freq = 1.0 / (base ** (torch.arange(0, rotary_dim, 2, dtype=torch.float32) / rotary_dim))
     angles = torch.outer(position_ids.to(torch.float32), inv_freq)
+    if interleaved:
+        return torch.stack((angles, angles), dim=-1).flatten(-2)
     return torch.cat((angles, angles), dim=-1)
 
 
 class _Rope:
-    """Rotate-half RoPE on the first ``rotary_dim`` features of ``[t, ..., d]`` tensors, and its transpose.
+    """RoPE on the first ``rotary_dim`` features of ``[t, ..., d]`` tensors, and its transpose.
 
+    Rotate-half pairs (i, i + rotary_dim/2), or with ``interleaved`` Megatron's pairs (2i, 2i+1).
     Applied one head slice at a time, so its temporaries are a few ``[t, d]`` slices, not the stage's.
     """
 
-    def __init__(self, angles: torch.Tensor, dtype: torch.dtype) -> None:
+    def __init__(self, angles: torch.Tensor, dtype: torch.dtype, interleaved: bool = False) -> None:
         self.dim = angles.shape[-1]
         self.cos = angles.cos().to(dtype)[:, None, None, :]
         self.sin = angles.sin().to(dtype)[:, None, None, :]
+        self.interleaved = interleaved
 
-    @staticmethod
-    def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    def _rotate(self, x: torch.Tensor) -> torch.Tensor:
+        """Megatron's ``_rotate_half``: an antisymmetric map R, so R^T = -R."""
+        if self.interleaved:
+            return torch.stack((-x[..., 1::2], x[..., ::2]), dim=-1).flatten(-2)
         x1, x2 = x.chunk(2, dim=-1)
         return torch.cat((-x2, x1), dim=-1)
 
@@ -78,13 +87,12 @@ class _Rope:
     def apply_(self, x: torch.Tensor) -> None:
         """In place on ``x [t, A, B, d]`` (bit for bit Megatron's ``t * cos + rotate_half(t) * sin``)."""
         for rot in self._slices(x, self.dim):
-            rot.copy_(rot * self.cos + self._rotate_half(rot) * self.sin)
+            rot.copy_(rot * self.cos + self._rotate(rot) * self.sin)
 
     def transpose_(self, grad: torch.Tensor) -> None:
         """In place on ``grad [t, A, B, d]``: the gradient w.r.t. RoPE's input from the gradient w.r.t. its output."""
         for rot in self._slices(grad, self.dim):
-            g1, g2 = (rot * self.sin).chunk(2, dim=-1)
-            rot.copy_(rot * self.cos + torch.cat((g2, -g1), dim=-1))
+            rot.copy_(rot * self.cos - self._rotate(rot * self.sin))
 
 
 def resolve_head_schedule(plan: BatchPlan, num_heads_q: int, num_heads_kv: int,
@@ -394,21 +402,39 @@ def _main_grad_target(weight: torch.Tensor) -> Optional[torch.Tensor]:
     return main_grad if isinstance(main_grad, torch.Tensor) and main_grad.shape == weight.shape else None
 
 
+def _gather_sequence_shards(local: torch.Tensor, group: Optional[dist.ProcessGroup]) -> torch.Tensor:
+    """Megatron's sequence-parallel all-gather: ``[s/n, 1, hidden]`` on each of the n ranks of ``group`` ->
+    ``[s, 1, hidden]`` in rank order (``local`` itself without a group)."""
+    if group is None:
+        return local
+    full = local.new_empty(local.shape[0] * dist.get_world_size(group), *local.shape[1:])
+    dist.all_gather_into_tensor(full, local.contiguous(), group=group)
+    return full
+
+
 class _HeadChunkedAttention(torch.autograd.Function):
-    """Autograd wrapper: saves hidden, weight, bias, the output and the per-stage lse; recomputes the rest."""
+    """Autograd wrapper: saves hidden, weight, bias, the output and the per-stage lse; recomputes the rest.
+
+    With a sequence-parallel group, ``hidden`` is this TP rank's shard: it is all-gathered for the
+    forward, only the shard is saved, and the backward gathers it again and reduce-scatters dx, as
+    Megatron's ``ColumnParallelLinear`` does (TP times less saved than the gathered input).
+    """
 
     @staticmethod
     def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], plan: BatchPlan,
-                schedule: HeadSchedule, head_dim: int, angles: Optional[torch.Tensor], causal: bool, scale: float,
+                schedule: HeadSchedule, head_dim: int, angles: Optional[torch.Tensor], interleaved: bool,
+                causal: bool, scale: float, sp_group: Optional[dist.ProcessGroup],
                 log: Optional[CommLog]) -> torch.Tensor:
-        rope = None if angles is None else _Rope(angles, hidden.dtype)
-        st = _Stages(hidden[:, 0], weight, bias, plan, schedule, head_dim, rope, causal, scale, backward=False)
+        full = _gather_sequence_shards(hidden, sp_group)
+        rope = None if angles is None else _Rope(angles, hidden.dtype, interleaved)
+        st = _Stages(full[:, 0], weight, bias, plan, schedule, head_dim, rope, causal, scale, backward=False)
+        del full
         output, lses = _forward(st, schedule.num_heads_q, log)
         del st
         ctx.save_for_backward(hidden, weight, bias, output)
         ctx.lses = lses
-        ctx.args = (plan, schedule, head_dim, angles, causal, scale, log)
-        return output.view(hidden.shape[0], 1, -1)
+        ctx.args = (plan, schedule, head_dim, angles, interleaved, causal, scale, sp_group, log)
+        return output.view(output.shape[0], 1, -1)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
@@ -416,9 +442,11 @@ class _HeadChunkedAttention(torch.autograd.Function):
         Megatron's gradient-accumulation-fusion contract (``grad_added_to_main_grad`` set, a dummy gradient
         returned so DDP's hook does not add it again; None without that attribute); else returned."""
         hidden, weight, bias, output = ctx.saved_tensors
-        plan, schedule, head_dim, angles, causal, scale, log = ctx.args
-        rope = None if angles is None else _Rope(angles, hidden.dtype)
-        st = _Stages(hidden[:, 0], weight, bias, plan, schedule, head_dim, rope, causal, scale, backward=True)
+        plan, schedule, head_dim, angles, interleaved, causal, scale, sp_group, log = ctx.args
+        rope = None if angles is None else _Rope(angles, hidden.dtype, interleaved)
+        full = _gather_sequence_shards(hidden, sp_group)
+        st = _Stages(full[:, 0], weight, bias, plan, schedule, head_dim, rope, causal, scale, backward=True)
+        del full
         grad = grad.reshape(output.shape).to(output.dtype)
         main_grad = _main_grad_target(weight) if ctx.needs_input_grad[1] else None
         target = main_grad
@@ -432,7 +460,11 @@ class _HeadChunkedAttention(torch.autograd.Function):
             if hasattr(weight, "grad_added_to_main_grad"):
                 weight.grad_added_to_main_grad = True
                 dweight = (torch.zeros_like if getattr(weight, "zero_out_wgrad", False) else torch.empty_like)(weight)
-        return dx.unsqueeze(1), dweight, dbias, None, None, None, None, None, None, None
+        if sp_group is not None:
+            dx_full, dx = dx, dx.new_empty(hidden.shape[0], dx.shape[1])
+            dist.reduce_scatter_tensor(dx, dx_full, group=sp_group)
+            del dx_full
+        return dx.unsqueeze(1), dweight, dbias, None, None, None, None, None, None, None, None, None
 
 
 def _check_tensor(name: str, t: object, layout: str, dims: int) -> torch.Tensor:
@@ -445,18 +477,21 @@ def _check_tensor(name: str, t: object, layout: str, dims: int) -> torch.Tensor:
 
 
 def _check_inputs(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], plan: BatchPlan,
-                  schedule: HeadSchedule, head_dim: int, rotary_freqs: Optional[torch.Tensor]) -> None:
+                  schedule: HeadSchedule, head_dim: int, rotary_freqs: Optional[torch.Tensor],
+                  sp_size: int) -> None:
     topo = plan.topology
     if topo.is_offline:
         raise ValueError("plan was built on an offline CPTopology; attention needs get_cp_topology()")
     _check_tensor("hidden", hidden, "[s_local, b, hidden]", 3)
     _check_tensor("qkv_weight", weight, "[(G + 2) * H_kv * d, hidden]", 2)
-    s, b, size = hidden.shape
+    shard, b, size = hidden.shape
+    s = shard * sp_size
     if b != 1:
         raise ValueError(f"hidden has batch size b={b}; head_chunked_attention takes one packed stream, b=1 "
                          "(pack the micro-batch's sequences into one stream with plan_batch)")
     if s != plan.tokens_per_rank:
-        raise ValueError(f"hidden.shape[0]={s} must equal plan.tokens_per_rank={plan.tokens_per_rank}")
+        per = f" x sequence-parallel size {sp_size}" if sp_size > 1 else ""
+        raise ValueError(f"hidden.shape[0]={shard}{per} must equal plan.tokens_per_rank={plan.tokens_per_rank}")
     g, h_kv = schedule.group_size, schedule.num_heads_kv
     rows = (g + 2) * h_kv * head_dim
     if tuple(weight.shape) != (rows, size):
@@ -485,19 +520,27 @@ def head_chunked_attention(hidden: torch.Tensor, qkv_weight: torch.Tensor, qkv_b
                            plan: BatchPlan, *, num_heads_q: int, num_heads_kv: int, head_dim: int,
                            rotary_freqs: Optional[torch.Tensor] = None, rope_base: Optional[float] = 10000.0,
                            causal: bool = True, softmax_scale: Optional[float] = None,
-                           head_chunk_size: Optional[int] = None, comm_log: Optional[CommLog] = None) -> torch.Tensor:
+                           head_chunk_size: Optional[int] = None, comm_log: Optional[CommLog] = None,
+                           rotary_interleaved: bool = False,
+                           sequence_parallel_group: Optional[dist.ProcessGroup] = None) -> torch.Tensor:
     """QKV projection + rotary embeddings + context-parallel attention, U query heads at a time.
 
     hidden ``[s_local, 1, hidden]``: this rank's tokens of the packed stream as laid out by
-    ``plan`` (s_local = plan.tokens_per_rank), the input of Megatron's SelfAttention.
+    ``plan`` (s_local = plan.tokens_per_rank), the input of Megatron's SelfAttention. With
+    ``sequence_parallel_group`` (Megatron's TP group under sequence parallelism, n ranks) hidden
+    is this TP rank's shard ``[s_local / n, 1, hidden]`` (rows rank * s_local / n onwards); it is
+    all-gathered inside, only the shard is kept for the backward, the input gradient comes back
+    reduce-scattered, and the output still covers all s_local tokens (ColumnParallelLinear's contract).
     qkv_weight ``[(G + 2) * H_kv * d, hidden]`` / qkv_bias ``[(G + 2) * H_kv * d]`` or None:
     this TP rank's shard of Megatron's ``linear_qkv``, per KV group [G query heads, key, value].
     num_heads_q / num_heads_kv: heads of this TP rank. rotary_freqs: per-token RoPE angles
-    ``[s_local, d_rot]`` in Megatron's non-interleaved layout (e.g. GPTModel's table indexed by
+    ``[s_local, d_rot]`` in Megatron's layout (e.g. GPTModel's table indexed by
     ``plan.position_ids``); None = ``rope_angles(plan.position_ids, head_dim, rope_base)``;
-    both None = no rotary embedding. head_chunk_size U: query heads per stage (multiple of the
-    Ulysses size, dividing num_heads_q); None = the topology config's default (``hsap``: the
-    Ulysses size; other modes: all heads, i.e. plain Ulysses). comm_log: a list that receives
+    both None = no rotary embedding. rotary_interleaved: Megatron's ``rotary_interleaved`` RoPE
+    (rotated pairs (2i, 2i+1), angles each repeated twice in a row) instead of rotate-half.
+    head_chunk_size U: query heads per stage (multiple of the Ulysses size, dividing num_heads_q);
+    None = the topology config's default (``hsap``: the Ulysses size; other modes: all heads,
+    i.e. plain Ulysses). comm_log: a list that receives
     ``(direction, stage, CommStats)`` per stage. Returns ``[s_local, 1, H * d]`` in the original
     head order (the input of ``linear_proj``). Everything is validated before any collective.
     """
@@ -506,13 +549,17 @@ def head_chunked_attention(hidden: torch.Tensor, qkv_weight: torch.Tensor, qkv_b
     if not isinstance(head_dim, int) or head_dim < 1:
         raise ValueError(f"head_dim={head_dim!r} must be a positive int")
     schedule = resolve_head_schedule(plan, num_heads_q, num_heads_kv, head_chunk_size)
-    _check_inputs(hidden, qkv_weight, qkv_bias, plan, schedule, head_dim, rotary_freqs)
+    sp_group = sequence_parallel_group
+    if sp_group is not None and dist.get_world_size(sp_group) == 1:
+        sp_group = None
+    _check_inputs(hidden, qkv_weight, qkv_bias, plan, schedule, head_dim, rotary_freqs,
+                  1 if sp_group is None else dist.get_world_size(sp_group))
     if rotary_freqs is not None:
-        angles = rotary_freqs.reshape(hidden.shape[0], -1)
+        angles = rotary_freqs.reshape(plan.tokens_per_rank, -1)
     elif rope_base is not None:
-        angles = rope_angles(plan.position_ids, head_dim, rope_base).to(hidden.device)
+        angles = rope_angles(plan.position_ids, head_dim, rope_base, rotary_interleaved).to(hidden.device)
     else:
         angles = None
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
-    return _HeadChunkedAttention.apply(hidden, qkv_weight, qkv_bias, plan, schedule, head_dim, angles, bool(causal),
-                                       scale, comm_log)
+    return _HeadChunkedAttention.apply(hidden, qkv_weight, qkv_bias, plan, schedule, head_dim, angles,
+                                       bool(rotary_interleaved), bool(causal), scale, sp_group, comm_log)

@@ -36,17 +36,26 @@ Patches (each the smallest change that made a CPU run work):
    HSAP layer spec on CPU) is a plain torch LayerNorm/RMSNorm whose parameters
    carry ``sequence_parallel=True`` so their gradients are all-reduced over TP
    like Megatron's fused norms.
+8. The TransformerEngine layer spec without TransformerEngine
+   (``transformer_engine_spec_without_te()``, a context manager): Megatron's
+   ``get_gpt_layer_with_transformer_engine_spec`` needs ``TESpecProvider``, whose
+   module imports TE-only names (import-only placeholders here, removed right
+   after the import) and probes the TE version for q/k norms (answered with
+   ``TENorm``). The spec it returns names Megatron's TE placeholders, which cannot
+   build a model (``HSAPSelfAttention`` refuses them); it exists so the spec's
+   structure can be inspected and tested on CPU.
 """
 
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Iterator, Optional
 
 import torch
 from torch.overrides import TorchFunctionMode
 
-__all__ = ["apply_cpu_shim", "cpu_config_overrides", "SequenceParallelTorchNorm"]
+__all__ = ["apply_cpu_shim", "cpu_config_overrides", "SequenceParallelTorchNorm",
+           "transformer_engine_spec_without_te"]
 
 _ACTIVE = False
 _MODE: Optional[TorchFunctionMode] = None
@@ -160,3 +169,49 @@ class SequenceParallelTorchNorm:
         for param in norm.parameters():
             param.sequence_parallel = bool(config.sequence_parallel)
         return norm
+
+
+#: Names ``transformer_engine_spec_provider`` imports that Megatron defines only when TE is installed.
+_TE_ONLY_NAMES = ("TEActivationOp", "TEColumnParallelGroupedLinear", "TERowParallelGroupedLinear")
+
+
+class _NeedsTransformerEngine:
+    """Import-only placeholder for a TE-only class name (patch 8); never built."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        raise ImportError("this module needs transformer_engine, which is not installed")
+
+
+@contextlib.contextmanager
+def transformer_engine_spec_without_te() -> Iterator[None]:
+    """Patch 8: lets ``get_gpt_layer_with_transformer_engine_spec`` build its ModuleSpec tree without TE.
+
+    Does nothing where TE is installed. Inside the context ``gpt_layer_specs.TESpecProvider``
+    is Megatron's provider with ``layer_norm`` answering ``TENorm`` without the TE-version probe.
+    """
+    import importlib
+
+    from megatron.core.extensions import transformer_engine as te_ext
+    from megatron.core.models.gpt import gpt_layer_specs
+
+    if te_ext.HAVE_TE:
+        yield
+        return
+    missing = [name for name in _TE_ONLY_NAMES if not hasattr(te_ext, name)]
+    for name in missing:
+        setattr(te_ext, name, _NeedsTransformerEngine)
+    try:
+        provider = importlib.import_module("megatron.core.extensions.transformer_engine_spec_provider")
+    finally:
+        for name in missing:
+            delattr(te_ext, name)
+
+    class SpecProviderWithoutTE(provider.TESpecProvider):
+        def layer_norm(self, rms_norm: bool = False, for_qk: bool = False) -> Any:
+            return te_ext.TENorm
+
+    gpt_layer_specs.TESpecProvider = SpecProviderWithoutTE
+    try:
+        yield
+    finally:
+        del gpt_layer_specs.TESpecProvider
