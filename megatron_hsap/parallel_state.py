@@ -13,15 +13,15 @@ from __future__ import annotations
 import os
 import warnings
 from dataclasses import dataclass
-from typing import Any, Optional, Tuple
+from typing import Any, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 
 from megatron_hsap.config import ContextParallelConfig
 
-__all__ = ["CPTopology", "initialize_model_parallel", "destroy_model_parallel", "get_cp_topology",
-           "get_cp_config", "cp_topology_is_initialized"]
+__all__ = ["CPTopology", "initialize_model_parallel", "attach_topology", "cp_layout", "hierarchical_cp_sizes",
+           "destroy_model_parallel", "get_cp_topology", "get_cp_config", "cp_topology_is_initialized"]
 
 
 @dataclass(frozen=True)
@@ -122,7 +122,6 @@ def initialize_model_parallel(tensor_model_parallel_size: int = 1, pipeline_mode
     world size); tests set it to emulate several nodes on one machine. Every argument is
     validated on every rank before the first group is created.
     """
-    global _TOPOLOGY, _CP_CONFIG, _WARNED_SPAN
     from megatron.core import parallel_state as mpu
 
     if not dist.is_initialized():
@@ -139,27 +138,47 @@ def initialize_model_parallel(tensor_model_parallel_size: int = 1, pipeline_mode
     if world % (tp * pp * cp) != 0:
         raise ValueError(f"world size {world} is not divisible by tensor_model_parallel_size ({tp}) x "
                          f"pipeline_model_parallel_size ({pp}) x context_parallel_size ({cp})")
-    if ranks_per_node is None:
-        ranks_per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-    if not isinstance(ranks_per_node, int) or ranks_per_node < 1:
-        raise ValueError(f"ranks_per_node={ranks_per_node!r} must be a positive int")
+    ranks_per_node = _resolve_ranks_per_node(ranks_per_node, world)
     if "hierarchical_context_parallel_sizes" in megatron_kwargs:
         raise ValueError("hierarchical_context_parallel_sizes is derived from cp_config (ulysses_size); do not pass it")
     if megatron_kwargs.get("order", "tp-cp-ep-dp-pp") != "tp-cp-ep-dp-pp":
         raise ValueError("only Megatron's default rank order 'tp-cp-ep-dp-pp' is supported")
 
-    # CP group members are TP ranks apart (rank order tp-cp-...): derive nodes before any collective.
+    cp_global_ranks, node_of_cp_rank, ulysses = cp_layout(rank, tp, cp, ranks_per_node, cp_config)
+    mpu.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                  context_parallel_size=cp,
+                                  hierarchical_context_parallel_sizes=hierarchical_cp_sizes(cp, ulysses),
+                                  **megatron_kwargs)
+    return _record_topology(cp_global_ranks, node_of_cp_rank, ulysses, cp_config, ranks_per_node)
+
+
+def hierarchical_cp_sizes(context_parallel_size: int, ulysses_size: int) -> Optional[List[int]]:
+    """Megatron's ``hierarchical_context_parallel_sizes`` for these sizes: [Ulysses, ring] (None without CP)."""
+    if context_parallel_size == 1:
+        return None
+    return [ulysses_size, context_parallel_size // ulysses_size]
+
+
+def cp_layout(rank: int, tp: int, cp: int, ranks_per_node: int, cp_config: ContextParallelConfig
+               ) -> Tuple[Tuple[int, ...], Tuple[int, ...], int]:
+    """(global ranks of this rank's CP group, node of each, Ulysses size), from rank arithmetic only.
+
+    CP group members are TP ranks apart (Megatron's rank order tp-cp-...), so this needs no collective.
+    """
     first_of_group = (rank // (tp * cp)) * (tp * cp) + rank % tp
     cp_global_ranks = tuple(first_of_group + i * tp for i in range(cp))
     node_of_cp_rank = tuple(g // ranks_per_node for g in cp_global_ranks)
-    cp_ranks_per_node = _largest_in_node_divisor(node_of_cp_rank)
-    ulysses = cp_config.resolve_ulysses_size(cp, cp_ranks_per_node)
-    ring = cp // ulysses
+    ulysses = cp_config.resolve_ulysses_size(cp, _largest_in_node_divisor(node_of_cp_rank))
+    return cp_global_ranks, node_of_cp_rank, ulysses
 
-    mpu.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                                  context_parallel_size=cp,
-                                  hierarchical_context_parallel_sizes=[ulysses, ring] if cp > 1 else None,
-                                  **megatron_kwargs)
+
+def _record_topology(cp_global_ranks: Tuple[int, ...], node_of_cp_rank: Tuple[int, ...], ulysses: int,
+                     cp_config: ContextParallelConfig, ranks_per_node: int) -> CPTopology:
+    """The topology over Megatron's (already built) CP and hierarchical CP groups, kept for ``get_cp_topology``."""
+    global _TOPOLOGY, _CP_CONFIG, _WARNED_SPAN
+    from megatron.core import parallel_state as mpu
+
+    cp = len(cp_global_ranks)
     if cp > 1:
         ulysses_group, ring_group = mpu.get_hierarchical_context_parallel_groups()
     else:
@@ -171,12 +190,50 @@ def initialize_model_parallel(tensor_model_parallel_size: int = 1, pipeline_mode
                       cp_rank=mpu.get_context_parallel_rank(), cp_global_ranks=cp_global_ranks,
                       cp_group=mpu.get_context_parallel_group(), ulysses_group=ulysses_group, ring_group=ring_group,
                       config=cp_config)
-    if topo.ulysses_spans_nodes() and rank == 0 and not _WARNED_SPAN:
+    if topo.ulysses_spans_nodes() and dist.get_rank() == 0 and not _WARNED_SPAN:
         _WARNED_SPAN = True
         warnings.warn(f"Ulysses groups of size {ulysses} span several nodes (ranks_per_node={ranks_per_node}, "
-                      f"tensor_model_parallel_size={tp}); the all-to-all will cross the slow links", stacklevel=2)
+                      f"tensor_model_parallel_size={mpu.get_tensor_model_parallel_world_size()}); the all-to-all "
+                      "will cross the slow links", stacklevel=3)
     _TOPOLOGY, _CP_CONFIG = topo, cp_config
     return topo
+
+
+def attach_topology(cp_config: ContextParallelConfig = ContextParallelConfig(),
+                    ranks_per_node: Optional[int] = None) -> CPTopology:
+    """Record the topology over groups someone else built with Megatron-Core (e.g. Megatron-Bridge's setup).
+
+    Those groups must have been built with ``hierarchical_context_parallel_sizes =
+    hierarchical_cp_sizes(cp, ulysses)`` for the Ulysses size ``cp_config`` resolves to (see
+    ``megatron_hsap.bridge.configure_hsap``); a mismatch is a ValueError naming both.
+    ranks_per_node: as in ``initialize_model_parallel``.
+    """
+    from megatron.core import parallel_state as mpu
+
+    if not isinstance(cp_config, ContextParallelConfig):
+        raise ValueError(f"cp_config must be a ContextParallelConfig, got {type(cp_config).__name__}")
+    if not mpu.model_parallel_is_initialized():
+        raise RuntimeError("Megatron-Core's model-parallel groups are not initialized; attach_topology records "
+                           "groups that already exist")
+    ranks_per_node = _resolve_ranks_per_node(ranks_per_node, dist.get_world_size())
+    tp, cp = mpu.get_tensor_model_parallel_world_size(), mpu.get_context_parallel_world_size()
+    cp_global_ranks, node_of_cp_rank, ulysses = cp_layout(dist.get_rank(), tp, cp, ranks_per_node, cp_config)
+    groups = mpu.get_hierarchical_context_parallel_groups(check_initialized=False)
+    built = None if not groups else [dist.get_world_size(g) for g in groups]
+    if cp > 1 and built != hierarchical_cp_sizes(cp, ulysses):
+        raise ValueError(f"hierarchical_context_parallel_sizes={built} but cp_config (mode={cp_config.mode!r}, "
+                         f"ulysses_size={cp_config.ulysses_size}) needs {hierarchical_cp_sizes(cp, ulysses)} "
+                         f"for context_parallel_size={cp}; build the groups with the latter")
+    return _record_topology(cp_global_ranks, node_of_cp_rank, ulysses, cp_config, ranks_per_node)
+
+
+def _resolve_ranks_per_node(ranks_per_node: Optional[int], world: int) -> int:
+    """The explicit value, else torchrun's LOCAL_WORLD_SIZE, else the world size; must be a positive int."""
+    if ranks_per_node is None:
+        ranks_per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    if not isinstance(ranks_per_node, int) or ranks_per_node < 1:
+        raise ValueError(f"ranks_per_node={ranks_per_node!r} must be a positive int")
+    return ranks_per_node
 
 
 def _join_groups_eagerly(groups: Tuple[Any, ...]) -> None:
