@@ -30,7 +30,7 @@ BRIDGE_VENV := .venv-bridge
 BRIDGE_PY := $(BRIDGE_VENV)/bin/python
 BRIDGE_DEPS := megatron-core==0.16.1 einops "transformers<5" "huggingface_hub<1.0" "datasets>=2.20" \
 	"omegaconf>=2.3" rich "tensorboard>=2.19" nvidia-modelopt "nvidia-resiliency-ext~=0.4.1" "six>=1.17" \
-	regex pyyaml tqdm pytest hypothesis psutil
+	regex pyyaml tqdm pytest hypothesis pytest-timeout psutil
 
 $(BRIDGE_VENV)/.installed: setup.cfg pyproject.toml
 	$(PYTHON) -m venv $(BRIDGE_VENV)

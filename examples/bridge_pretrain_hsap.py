@@ -28,11 +28,12 @@ from megatron_hsap.megatron.cpu_shim import apply_bridge_cpu_shim  # noqa: E402
 def tiny_gpt_recipe(context_parallel_size: int = 1, mode: str = "hsap", ulysses_size: Optional[int] = None,
                     train_iters: int = 4, seq_length: int = 64, micro_batch_size: int = 2, seed: int = 1234,
                     save: Optional[str] = None, load: Optional[str] = None, save_interval: int = 1000,
-                    ranks_per_node: Optional[int] = None) -> Any:
+                    ranks_per_node: Optional[int] = None, documents: bool = True) -> Any:
     """A Bridge ``ConfigContainer`` for a 2-layer GPT on Bridge's mock GPT dataset, configured for HSAP.
 
-    Documents end at EOD tokens (``reset_attention_mask``), so every micro-batch is a packed
-    stream of several documents. Dropout is off, so runs with different CP sizes are comparable.
+    documents: documents end at EOD tokens (``reset_attention_mask``, ``reset_position_ids``), so every
+    micro-batch is a packed stream of several documents; False: each sample is one sequence.
+    Dropout is off, so runs with different CP sizes are comparable.
     """
     from megatron.bridge.models import GPTModelProvider
     from megatron.bridge.training.config import (CheckpointConfig, ConfigContainer, LoggerConfig,
@@ -58,8 +59,8 @@ def tiny_gpt_recipe(context_parallel_size: int = 1, mode: str = "hsap", ulysses_
                                   use_distributed_optimizer=False, clip_grad=1.0),
         scheduler=SchedulerConfig(lr_decay_style="constant", lr_warmup_iters=0, start_weight_decay=0.01,
                                   end_weight_decay=0.01),
-        dataset=MockGPTDatasetConfig(seq_length=seq_length, random_seed=seed, reset_attention_mask=True,
-                                     reset_position_ids=True, eod_mask_loss=False, split="1,0,0",
+        dataset=MockGPTDatasetConfig(seq_length=seq_length, random_seed=seed, reset_attention_mask=documents,
+                                     reset_position_ids=documents, eod_mask_loss=False, split="1,0,0",
                                      num_dataset_builder_threads=1, num_workers=0, dataloader_type="single",
                                      skip_getting_attention_mask_from_dataset=True),
         logger=LoggerConfig(log_interval=1),
