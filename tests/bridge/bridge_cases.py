@@ -7,6 +7,7 @@ it (conftest.py). The model and data are the example recipe's (examples/bridge_p
 from __future__ import annotations
 
 import importlib.util
+import multiprocessing
 import os
 from typing import Any, List
 
@@ -15,6 +16,7 @@ from megatron_hsap.megatron.cpu_shim import apply_bridge_cpu_shim
 apply_bridge_cpu_shim()
 
 from megatron.bridge.training.callbacks import Callback  # noqa: E402
+from megatron.bridge.training.initialize import destroy_global_state  # noqa: E402
 from megatron.bridge.training.pretrain import pretrain  # noqa: E402
 
 _EXAMPLE = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
@@ -43,7 +45,12 @@ def pretrain_losses(bridge_forward_step: bool = False, **recipe_kwargs: Any) -> 
 
     bridge_forward_step: train with Bridge's own forward step and Megatron's local layer spec instead
     of HSAP's (the reference for CP=1 without document masking).
+    The harness's workers are daemonic, which multiprocessing forbids to have children, but the
+    torch_dist checkpoint writer starts a Manager and writer processes: when saving, this worker
+    is marked non-daemonic (it exits normally, and multiprocessing then stops those children).
     """
+    if recipe_kwargs.get("save"):
+        multiprocessing.current_process()._config["daemon"] = False
     from megatron_hsap.bridge import forward_step
 
     cfg = _recipe_module().tiny_gpt_recipe(**recipe_kwargs)
@@ -54,5 +61,10 @@ def pretrain_losses(bridge_forward_step: bool = False, **recipe_kwargs: Any) -> 
 
         cfg.model.transformer_layer_spec = get_gpt_layer_local_spec(normalization=cfg.model.normalization)
     recorder = _RecordLosses()
-    pretrain(cfg, forward_step_func=step, callbacks=[recorder])
+    try:
+        pretrain(cfg, forward_step_func=step, callbacks=[recorder])
+    except SystemExit as stop:  # Bridge's exit_interval: sys.exit(0) after saving, without its usual teardown
+        if stop.code not in (0, None):
+            raise
+        destroy_global_state()
     return recorder.losses

@@ -42,10 +42,10 @@ def test_bridge_hsap_cp1_matches_bridge_forward_step():
 
 
 def test_bridge_checkpoint_save_resume(tmp_path, cp1_losses):
-    """CP = 2: save at iteration 2 (Bridge torch_dist), resume in a new run, continue to iteration 4."""
+    """CP = 2: a run stopped and saved at iteration 2 (Bridge torch_dist), resumed by a new run up to iteration 4."""
     ckpt = str(tmp_path / "ckpt")
-    first = run_distributed(pretrain_losses, 2, context_parallel_size=2, ranks_per_node=1, train_iters=2,
-                            save=ckpt, save_interval=2, timeout=TIMEOUT)
+    first = run_distributed(pretrain_losses, 2, context_parallel_size=2, ranks_per_node=1, train_iters=ITERS,
+                            exit_interval=2, save=ckpt, save_interval=100, timeout=TIMEOUT)
     resumed = run_distributed(pretrain_losses, 2, context_parallel_size=2, ranks_per_node=1, train_iters=ITERS,
                               load=ckpt, save=ckpt, save_interval=100, timeout=TIMEOUT)
     for rank in range(2):
