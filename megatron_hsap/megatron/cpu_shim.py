@@ -36,6 +36,9 @@ Patches (each the smallest change that made a CPU run work):
    HSAP layer spec on CPU) is a plain torch LayerNorm/RMSNorm whose parameters
    carry ``sequence_parallel=True`` so their gradients are all-reduced over TP
    like Megatron's fused norms.
+
+Megatron-Bridge's ``pretrain()`` needs a few more spots (B1-B5), applied by
+``apply_bridge_cpu_shim()``; they are listed in that section at the end of this module.
 """
 
 from __future__ import annotations

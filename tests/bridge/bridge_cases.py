@@ -68,3 +68,18 @@ def pretrain_losses(bridge_forward_step: bool = False, **recipe_kwargs: Any) -> 
             raise
         destroy_global_state()
     return recorder.losses
+
+
+def attach_topology_rejects_other_groups() -> str:
+    """Groups built without HSAP's hierarchical sizes (as a plain Megatron/Bridge setup would) are refused."""
+    import pytest
+    from megatron.core import parallel_state as mpu
+
+    from megatron_hsap.config import ContextParallelConfig
+    from megatron_hsap.parallel_state import attach_topology, cp_topology_is_initialized
+
+    mpu.initialize_model_parallel(context_parallel_size=2)
+    with pytest.raises(ValueError, match=r"hierarchical_context_parallel_sizes=None .* needs \[1, 2\]") as err:
+        attach_topology(ContextParallelConfig(mode="hsap"), ranks_per_node=1)
+    assert not cp_topology_is_initialized()
+    return str(err.value)
