@@ -7,7 +7,8 @@ CPU ranks (gloo) or GPUs. Needs the Bridge environment (``make venv-bridge``):
 
     .venv-bridge/bin/torchrun --nproc-per-node 4 examples/bridge_pretrain_hsap.py --context-parallel-size 4
 
-``--save DIR`` writes Bridge (torch_dist) checkpoints, ``--load DIR`` resumes from them.
+``--save DIR`` writes Bridge (torch_dist) checkpoints, ``--load DIR`` resumes from them;
+``--exit-interval N`` stops (and saves) after N iterations, as an interrupted job would.
 """
 
 from __future__ import annotations
@@ -87,6 +88,7 @@ def main() -> None:
     parser.add_argument("--save", default=None)
     parser.add_argument("--load", default=None)
     parser.add_argument("--save-interval", type=int, default=1000)
+    parser.add_argument("--exit-interval", type=int, default=None, help="stop (and save) after this many iterations")
     args = parser.parse_args()
     apply_bridge_cpu_shim()
     from megatron.bridge.training.pretrain import pretrain
@@ -95,7 +97,7 @@ def main() -> None:
 
     cfg = tiny_gpt_recipe(args.context_parallel_size, args.context_parallel_mode, args.ulysses_size,
                           args.train_iters, args.seq_length, args.micro_batch_size, save=args.save, load=args.load,
-                          save_interval=args.save_interval)
+                          save_interval=args.save_interval, exit_interval=args.exit_interval)
     pretrain(cfg, forward_step_func=forward_step)
 
 
