@@ -30,13 +30,14 @@ def tiny_gpt_recipe(context_parallel_size: int = 1, mode: str = "hsap", ulysses_
                     train_iters: int = 4, seq_length: int = 64, micro_batch_size: int = 2, seed: int = 1234,
                     save: Optional[str] = None, load: Optional[str] = None, save_interval: int = 1000,
                     ranks_per_node: Optional[int] = None, documents: bool = True,
-                    exit_interval: Optional[int] = None) -> Any:
+                    exit_interval: Optional[int] = None, global_batch_size: Optional[int] = None) -> Any:
     """A Bridge ``ConfigContainer`` for a 2-layer GPT on Bridge's mock GPT dataset, configured for HSAP.
 
     documents: documents end at EOD tokens (``reset_attention_mask``, ``reset_position_ids``), so every
     micro-batch is a packed stream of several documents; False: each sample is one sequence.
     Dropout is off, so runs with different CP sizes are comparable. exit_interval: stop (and save,
-    with ``save``) after that many iterations, as an interrupted job would.
+    with ``save``) after that many iterations, as an interrupted job would. global_batch_size: default
+    one micro-batch (a multiple of micro_batch_size x data-parallel size is needed with DP > 1).
     """
     from megatron.bridge.models import GPTModelProvider
     from megatron.bridge.training.config import (CheckpointConfig, ConfigContainer, LoggerConfig,
@@ -56,7 +57,7 @@ def tiny_gpt_recipe(context_parallel_size: int = 1, mode: str = "hsap", ulysses_
         cross_entropy_loss_fusion=False, bf16=False, params_dtype=torch.float32)
     cfg = ConfigContainer(
         model=model,
-        train=TrainingConfig(train_iters=train_iters, global_batch_size=micro_batch_size,
+        train=TrainingConfig(train_iters=train_iters, global_batch_size=global_batch_size or micro_batch_size,
                              micro_batch_size=micro_batch_size, eval_interval=train_iters + 1, eval_iters=0,
                              exit_interval=exit_interval),
         optimizer=OptimizerConfig(optimizer="adam", lr=1e-3, min_lr=1e-4, weight_decay=0.01, bf16=False, fp16=False,

@@ -1,8 +1,8 @@
 """Megatron-Bridge ``pretrain()`` with HSAP's layer spec, topology transform and forward step, on CPU ranks.
 
 Equivalence: Bridge's reduced ``lm loss`` per iteration with HSAP context parallelism (CP = 2 and 4,
-hsap mode, the 4-rank case as 2 emulated nodes so Ulysses and ring are both used) equals the same
-model and data at CP = 1; at CP = 1, HSAP's forward step equals Bridge's own forward step with
+hsap mode, the 4-rank case as 2 emulated nodes so Ulysses and ring are both used; and CP = 2 x DP = 2)
+equals the same model and data at CP = 1; at CP = 1, HSAP's forward step equals Bridge's own forward step with
 Megatron's local layer spec (so the HSAP path is Megatron's model). Checkpoints: Bridge's torch_dist
 save at iteration 2 and a resumed run reproduce the uninterrupted run's losses.
 """
@@ -31,6 +31,16 @@ def test_bridge_cp_losses_match_cp1(cp1_losses, world, ranks_per_node, hierarchy
     assert len(cp1_losses) == ITERS and len(set(cp1_losses)) == ITERS  # training moves the loss
     for rank, losses in enumerate(per_rank):
         assert losses == pytest.approx(cp1_losses, rel=2e-5, abs=0), f"CP={world} ({hierarchy}), rank {rank}"
+
+
+def test_bridge_cp2_dp2_losses_match_cp1_dp2():
+    """4 ranks = CP 2 x DP 2: gradients averaged over DP x CP and the loss reduced over both, against CP = 1 x DP 2."""
+    reference = run_distributed(pretrain_losses, 2, train_iters=ITERS, global_batch_size=4, timeout=TIMEOUT)
+    per_rank = run_distributed(pretrain_losses, 4, context_parallel_size=2, ranks_per_node=1, train_iters=ITERS,
+                               global_batch_size=4, timeout=TIMEOUT)
+    assert reference[0] == reference[1] and len(set(reference[0])) == ITERS
+    for rank, losses in enumerate(per_rank):
+        assert losses == pytest.approx(reference[0], rel=2e-5, abs=0), f"rank {rank}"
 
 
 def test_bridge_hsap_cp1_matches_bridge_forward_step():
