@@ -20,8 +20,8 @@ import torch.distributed as dist
 
 from megatron_hsap.config import ContextParallelConfig
 
-__all__ = ["CPTopology", "initialize_model_parallel", "attach_cp_topology", "destroy_model_parallel", "get_cp_topology",
-           "get_cp_config", "cp_topology_is_initialized"]
+__all__ = ["CPTopology", "initialize_model_parallel", "attach_cp_topology", "cp_layout", "hierarchical_cp_sizes",
+           "destroy_model_parallel", "get_cp_topology", "get_cp_config", "cp_topology_is_initialized"]
 
 
 @dataclass(frozen=True)
@@ -138,28 +138,46 @@ def initialize_model_parallel(tensor_model_parallel_size: int = 1, pipeline_mode
     if world % (tp * pp * cp) != 0:
         raise ValueError(f"world size {world} is not divisible by tensor_model_parallel_size ({tp}) x "
                          f"pipeline_model_parallel_size ({pp}) x context_parallel_size ({cp})")
-    if ranks_per_node is None:
-        ranks_per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-    if not isinstance(ranks_per_node, int) or ranks_per_node < 1:
-        raise ValueError(f"ranks_per_node={ranks_per_node!r} must be a positive int")
+    ranks_per_node = _resolve_ranks_per_node(ranks_per_node, world)
     if "hierarchical_context_parallel_sizes" in megatron_kwargs:
         raise ValueError("hierarchical_context_parallel_sizes is derived from cp_config (ulysses_size); do not pass it")
     if megatron_kwargs.get("order", "tp-cp-ep-dp-pp") != "tp-cp-ep-dp-pp":
         raise ValueError("only Megatron's default rank order 'tp-cp-ep-dp-pp' is supported")
 
-    # CP group members are TP ranks apart (rank order tp-cp-...): derive nodes before any collective.
+    cp_global_ranks, node_of_cp_rank, ulysses = cp_layout(rank, tp, cp, ranks_per_node, cp_config)
+    mpu.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                  context_parallel_size=cp,
+                                  hierarchical_context_parallel_sizes=hierarchical_cp_sizes(cp, ulysses),
+                                  **megatron_kwargs)
+    return _topology_over_megatron_groups(cp_global_ranks, node_of_cp_rank, ulysses, cp_config, ranks_per_node)
+
+
+def hierarchical_cp_sizes(context_parallel_size: int, ulysses_size: int) -> Optional[List[int]]:
+    """Megatron's ``hierarchical_context_parallel_sizes`` for these sizes: [Ulysses, ring] (None without CP)."""
+    if context_parallel_size == 1:
+        return None
+    return [ulysses_size, context_parallel_size // ulysses_size]
+
+
+def cp_layout(rank: int, tp: int, cp: int, ranks_per_node: int, cp_config: ContextParallelConfig
+               ) -> Tuple[Tuple[int, ...], Tuple[int, ...], int]:
+    """(global ranks of this rank's CP group, node of each, Ulysses size), from rank arithmetic only.
+
+    CP group members are TP ranks apart (Megatron's rank order tp-cp-...), so this needs no collective.
+    """
     first_of_group = (rank // (tp * cp)) * (tp * cp) + rank % tp
     cp_global_ranks = tuple(first_of_group + i * tp for i in range(cp))
     node_of_cp_rank = tuple(g // ranks_per_node for g in cp_global_ranks)
-    cp_ranks_per_node = _largest_in_node_divisor(node_of_cp_rank)
-    ulysses = cp_config.resolve_ulysses_size(cp, cp_ranks_per_node)
-    ring = cp // ulysses
+    ulysses = cp_config.resolve_ulysses_size(cp, _largest_in_node_divisor(node_of_cp_rank))
+    return cp_global_ranks, node_of_cp_rank, ulysses
 
-    mpu.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                                  context_parallel_size=cp,
-                                  hierarchical_context_parallel_sizes=[ulysses, ring] if cp > 1 else None,
-                                  **megatron_kwargs)
-    if cp > 1:
+
+def _topology_over_megatron_groups(cp_global_ranks: Tuple[int, ...], node_of_cp_rank: Tuple[int, ...], ulysses: int,
+                                   cp_config: ContextParallelConfig, ranks_per_node: int) -> CPTopology:
+    """The topology over the CP and hierarchical CP groups ``initialize_model_parallel`` just had Megatron build."""
+    from megatron.core import parallel_state as mpu
+
+    if len(cp_global_ranks) > 1:
         ulysses_group, ring_group = mpu.get_hierarchical_context_parallel_groups()
     else:
         ulysses_group = ring_group = mpu.get_context_parallel_group()
@@ -185,10 +203,7 @@ def attach_cp_topology(cp_config: ContextParallelConfig = ContextParallelConfig(
     if not isinstance(cp_config, ContextParallelConfig):
         raise ValueError(f"cp_config must be a ContextParallelConfig, got {type(cp_config).__name__}")
     world = dist.get_world_size()
-    if ranks_per_node is None:
-        ranks_per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-    if not isinstance(ranks_per_node, int) or ranks_per_node < 1:
-        raise ValueError(f"ranks_per_node={ranks_per_node!r} must be a positive int")
+    ranks_per_node = _resolve_ranks_per_node(ranks_per_node, world)
     cp_global_ranks = tuple(mpu.get_context_parallel_global_ranks())
     cp = len(cp_global_ranks)
     node_of_cp_rank = tuple(g // ranks_per_node for g in cp_global_ranks)
@@ -227,10 +242,20 @@ def _record_topology(cp_global_ranks: Tuple[int, ...], node_of_cp_rank: Tuple[in
                       config=cp_config)
     if topo.ulysses_spans_nodes() and dist.get_rank() == 0 and not _WARNED_SPAN:
         _WARNED_SPAN = True
-        warnings.warn(f"Ulysses groups of size {ulysses} span several nodes (ranks_per_node={ranks_per_node}); "
-                      "the all-to-all will cross the slow links", stacklevel=3)
+        warnings.warn(f"Ulysses groups of size {ulysses} span several nodes (ranks_per_node={ranks_per_node}, "
+                      f"tensor_model_parallel_size={mpu.get_tensor_model_parallel_world_size()}); the all-to-all "
+                      "will cross the slow links", stacklevel=3)
     _TOPOLOGY, _CP_CONFIG = topo, cp_config
     return topo
+
+
+def _resolve_ranks_per_node(ranks_per_node: Optional[int], world: int) -> int:
+    """The explicit value, else torchrun's LOCAL_WORLD_SIZE, else the world size; must be a positive int."""
+    if ranks_per_node is None:
+        ranks_per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    if not isinstance(ranks_per_node, int) or ranks_per_node < 1:
+        raise ValueError(f"ranks_per_node={ranks_per_node!r} must be a positive int")
+    return ranks_per_node
 
 
 def _join_groups_eagerly(groups: Tuple[Any, ...]) -> None:
