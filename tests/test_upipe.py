@@ -169,27 +169,28 @@ def test_matches_dense_multi_head_attention(world_size, mode, ulysses_size, rank
 
 
 def test_kv_sent_once_per_group():
-    """KV bytes per layer vs re-sending every stage's KV heads: strictly fewer whenever G > 1 and a KV head's
-    query heads span several stages (always so at U = P), equal when every stage holds whole groups.
+    """KV bytes per layer vs re-sending every stage's KV heads: each KV head crosses once towards each rank that
+    uses it (``HeadSplit.kv_heads_held``); strictly fewer than re-sending at U = P whenever a rank attends several
+    query heads of one KV head, equal with one stage (U = H). Uneven shapes included.
 
     The per-stage all-to-all bytes these counts imply are checked against measured bytes in the launches above.
     """
     from megatron_hsap.attention.head_schedule import build_head_schedule
+    from megatron_hsap.head_split import split_heads
 
     strict = 0
-    for h, h_kv, p in ((16, 4, 4), (32, 8, 4), (16, 2, 4), (16, 1, 4), (64, 16, 8), (12, 4, 2), (64, 8, 8)):
-        for u in (c for c in range(p, h + 1, p) if h % c == 0):
+    for h, h_kv, p in ((16, 4, 4), (32, 8, 4), (16, 2, 4), (16, 1, 4), (64, 16, 8), (12, 4, 2), (64, 8, 8),
+                       (28, 4, 8), (40, 8, 8), (12, 3, 4), (20, 5, 4), (24, 6, 4), (12, 2, 3), (9, 3, 2)):
+        split = split_heads(h, h_kv, p)
+        for u in (p, h):
             s = build_head_schedule(h, h_kv, p, u)
-            g_eff = h // max(h_kv, p)
-            assert s.kv_heads_sent == max(h_kv, p) // p  # every (replicated) KV head crosses exactly once
-            if (u // p) % g_eff != 0:
+            assert s.kv_heads_sent == split.kv_heads_held
+            if u == h:
+                assert s.kv_heads_sent == s.kv_heads_sent_every_stage
+            else:
                 assert s.kv_heads_sent < s.kv_heads_sent_every_stage, (h, h_kv, p, u)
                 strict += 1
-            else:
-                assert s.kv_heads_sent == s.kv_heads_sent_every_stage, (h, h_kv, p, u)
-            if u == p:
-                assert (u // p) % g_eff != 0  # G > 1 in every shape listed: reuse at U = P
-    assert strict >= 14
+    assert strict == 14
 
 
 def _memory_case(head_chunk_sizes: List[int]) -> Dict[str, int]:
@@ -276,8 +277,8 @@ def _error_paths() -> List[str]:
                                head_dim=HEAD_DIM, head_chunk_size=u)
 
     messages = []
-    for args, pattern in (((16, 4, 6), "multiple of ulysses_size=4"), ((16, 4, 12), "must divide num_heads_q=16"),
-                          ((16, 3, 4), "num_heads_kv=3 must divide num_heads_q=16"),
+    for args, pattern in (((16, 4, 6), "multiple of ulysses_size=4"), ((16, 4, 20), "allowed values: [4, 8, 12, 16]"),
+                          ((16, 3, 4), "num_heads_q=16 must be a multiple of num_heads_kv=3"),
                           ((16, 4, 4, 2), "batch size b=2")):
         try:
             call(*args)
@@ -293,7 +294,7 @@ def _error_paths() -> List[str]:
 def test_error_paths_before_any_collective():
     messages = run_distributed(_error_paths, 4, timeout=120)
     assert len(messages[0]) == 4
-    assert "allowed values: [4, 8, 16]" in messages[0][0]
+    assert "allowed values: [4, 8, 12, 16]" in messages[0][0]
 
 
 def test_default_rope_matches_megatron():
