@@ -1,0 +1,134 @@
+"""Head counts that do not divide the Ulysses size, and KV-head counts that neither divide nor are multiples of it.
+
+For (H, H_kv, P) in {(28,4,8), (40,8,8), (12,3,4), (20,5,4), (24,6,4), (12,2,3), (7,7,4), (9,3,2)}
+(plus H < P: ranks without heads), through both entry points against the fp64 dense reference,
+forward and backward: ``context_parallel_attention`` (out, dq, dk, dv) and the fused projection
+path of ``head_chunked_attention`` (out, input, weight and bias gradients, tests/test_upipe.py's
+reference), with ring sizes 1 and 2 (P = 8: ring 1 only, 16 processes being too many for CI) and
+TP 1 and 2 where H_kv allows (TP is emulated: each TP rank's heads are a separate call).
+Measured bytes must equal the predictions (``BatchPlan.stats``, ``predicted_stage_comm``), which
+count exactly the KV heads each rank's query heads use, and padding slots must stay exactly 0.
+One launch per world size covers several topologies; documents are tiny (about 6 tokens per rank).
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Dict, List, Tuple
+
+import pytest
+import torch
+
+from tests.cp_cases import reference_errors
+from tests.distributed import run_distributed
+
+HEAD_DIM = 8
+TOL = {torch.float64: 1e-10, torch.float32: 2e-5}
+
+
+def _lengths(world: int) -> List[int]:
+    """A long document crossing every shard, a length-1, a zero-length and two mid-sized documents."""
+    return [5 * world // 2 + 1, 1, 0, 2 * world - 1, world + 3]
+
+
+def _cpa_case(plan, seed: int, h: int, h_kv: int, dtype: torch.dtype) -> Dict[str, float]:
+    """``context_parallel_attention`` fwd + bwd: error / TOL (rank 0), forward bytes vs ``plan.stats`` and padding."""
+    from megatron_hsap.attention import context_parallel_attention
+    from megatron_hsap.instrumentation import count_comm
+    from megatron_hsap.sequence.doc_lengths import cu_seqlens_from_lengths
+
+    gen = torch.Generator().manual_seed(seed)
+    total = plan.total_tokens
+    q, k, v = (torch.randn(total, n, HEAD_DIM, generator=gen, dtype=torch.float64) for n in (h, h_kv, h_kv))
+    dout = torch.randn(total, h, HEAD_DIM, generator=gen, dtype=torch.float64)
+    local = [plan.shard(x).to(dtype).requires_grad_() for x in (q, k, v)]
+    with count_comm() as measured:
+        out = context_parallel_attention(*local, plan, causal=True)
+    out.backward(plan.shard(dout).to(dtype))
+    stats, c = plan.stats(h, h_kv, HEAD_DIM, dtype), plan.topology.cp_rank
+    predicted = (stats.send_bytes_intra[c], stats.send_bytes_inter[c], stats.recv_bytes_intra[c],
+                 stats.recv_bytes_inter[c])
+    got_bytes = (measured.send_bytes_intra, measured.send_bytes_inter, measured.recv_bytes_intra,
+                 measured.recv_bytes_inter)
+    tensors = (out, local[0].grad, local[1].grad, local[2].grad)
+    valid = plan.valid_mask
+    result = {"bytes": 0.0 if predicted == got_bytes else 1e9,
+              "padding": float(sum(t.detach()[~valid].abs().sum() for t in tensors))}
+    got = [plan.unshard(t.detach()).double() for t in tensors]
+    if c == 0:
+        cu = cu_seqlens_from_lengths(list(plan.doc_lengths))
+        result["error"] = max(reference_errors(got, [q, k, v, dout], cu, causal=True)) / TOL[dtype]
+    return result
+
+
+def _run_launch(topologies: List[Tuple[str, int, int, List[Tuple[int, int, int]]]]) -> Dict[str, float]:
+    """topologies: (mode, Ulysses size, ranks per node, [(H, H_kv, tp)]), run one after the other on this world.
+
+    Each case runs through both entry points (per TP rank's head counts); UPipe alternates U = P (stages of
+    P heads, the last smaller) with U = 2P (or all heads when 2P >= H / tp)."""
+    import torch.distributed as dist
+
+    from megatron_hsap.config import ContextParallelConfig
+    from megatron_hsap.parallel_state import destroy_model_parallel, initialize_model_parallel
+    from megatron_hsap.sequence.doc_lengths import cu_seqlens_from_lengths
+    from megatron_hsap.sequence.plan import plan_batch
+    from tests.test_upipe import upipe_case
+
+    world = dist.get_world_size()
+    results: Dict[str, float] = {}
+    seeds = itertools.count()
+    layouts = itertools.cycle(("zigzag", "sequence-aware", "contiguous"))
+    for mode, ulysses, ranks_per_node, cases in topologies:
+        topo = initialize_model_parallel(context_parallel_size=world, ranks_per_node=ranks_per_node,
+                                         cp_config=ContextParallelConfig(mode=mode, ulysses_size=ulysses,
+                                                                         kernel="cpu_fused"))
+        assert topo.ulysses_size == ulysses
+        for i, (h, h_kv, tp) in enumerate(cases):
+            layout = next(layouts)
+            plan = plan_batch(cu_seqlens_from_lengths(_lengths(world)), topo, layout)
+            dtype = torch.float32 if i == 1 else torch.float64
+            u = ulysses if i % 2 == 0 else (2 * ulysses if 2 * ulysses < h // tp else h // tp)
+            key = f"H{h}/Hkv{h_kv}/P{ulysses}/ring{topo.ring_size}/tp{tp}/{layout}/{str(dtype)[6:]}"
+            for entry, result in (("cpa", _cpa_case(plan, next(seeds), h // tp, h_kv // tp, dtype)),
+                                  (f"upipe-U{u}", upipe_case(plan, next(seeds), h, h_kv, u, tp, dtype))):
+                for name, value in result.items():
+                    results[f"{key}/{entry}/{name}"] = value
+        destroy_model_parallel()
+    return results
+
+
+P8 = [(28, 4, 1), (28, 4, 2), (40, 8, 1), (40, 8, 2)]
+P4 = [(12, 3, 1), (20, 5, 1), (24, 6, 1), (24, 6, 2), (7, 7, 1), (3, 1, 1)]
+P3 = [(12, 2, 1), (12, 2, 2)]
+P2 = [(9, 3, 1)]
+LAUNCHES = {  # world size -> topologies (mode, Ulysses size, ranks per node, cases)
+    8: [("ulysses", 8, 8, P8), ("hybrid", 4, 4, P4)],
+    4: [("ulysses", 4, 4, P4), ("hybrid", 2, 2, P2)],
+    6: [("hybrid", 3, 3, P3)],
+    3: [("ulysses", 3, 3, P3)],
+    2: [("ulysses", 2, 2, P2)],
+}
+
+
+@pytest.mark.parametrize("world", sorted(LAUNCHES), ids=[f"cp{w}" for w in sorted(LAUNCHES)])
+def test_uneven_heads_match_dense_reference(world):
+    results = run_distributed(_run_launch, world, LAUNCHES[world], timeout=600)
+    cases = sum(len(c) for *_, c in LAUNCHES[world])
+    errors = {k: v for k, v in results[0].items() if k.endswith("/error")}
+    assert len(errors) == 2 * cases
+    bad = {k: v for k, v in errors.items() if not v <= 1.0}
+    assert not bad, f"error over {TOL}, as multiples of the dtype's tolerance: {bad}"
+    for rank, res in enumerate(results):
+        broken = {k: v for k, v in res.items() if k.endswith(("/bytes", "/padding")) and v != 0.0}
+        assert not broken, f"rank {rank}: measured bytes != prediction, or nonzero padding: {broken}"
+
+
+def test_kv_bytes_against_full_replication():
+    """(28, 4, 8): each rank receives the one KV head its 3 or 4 query heads use (8 KV heads held in all), not
+    every KV head (32) nor one KV copy per query head (28, what expanding GQA to MHA sends)."""
+    from megatron_hsap.head_split import split_heads
+
+    split = split_heads(28, 4, 8)
+    assert split.query_counts == (4, 3, 4, 3, 4, 3, 4, 3) and split.kv_counts == (1,) * 8
+    assert split.kv_heads_held == 8
+    assert split_heads(12, 3, 4).kv_counts == (1, 2, 2, 1)  # 3 heads per rank, 4 per KV head: straddles
