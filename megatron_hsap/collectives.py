@@ -17,6 +17,7 @@ whether the peer is on the same node, and every post/wait in ``instrumentation.t
 
 from __future__ import annotations
 
+import math
 from typing import List, Optional, Sequence, Tuple
 
 import torch
@@ -49,7 +50,7 @@ def all_to_all_member(send: torch.Tensor, topology: CPTopology, op: str, out: Op
                            input_split_sizes=None if send_rows is None else list(send_rows),
                            group=topology.ulysses_group)
     me = topology.cp_rank
-    row_bytes = _nbytes(send[:1]) if send.shape[0] else 0
+    row_bytes = math.prod(send.shape[1:]) * send.element_size()
     for i, peer in enumerate(topology.ring_member_ranks(topology.ring_rank)):
         if peer != me:
             intra = topology.same_node(me, peer)
