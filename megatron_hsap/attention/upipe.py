@@ -197,7 +197,8 @@ class _Stages:
       kv     ``[slots, 2, P*t, D]`` E  KV heads kept from their first to their last stage
       k_attn/v_attn ``[P*t, A, D]`` E  only when one stage's attention takes A > 1 KV heads
     backward only:
-      pair   ``P * t * w * D``    E   the stage's output and output gradient after their all-to-all
+      pair   ``P * t * 2m * D``   E   the stage's output and output gradient after their all-to-all (m: this
+                                      rank's most query heads in one stage)
       dkv    ``[slots, 2, P*t, D]`` fp32  KV gradients summed over the stages sharing a KV head
       dw     ``P*w*D*hidden``     E   one stage's weight gradient (one GEMM), added into main_grad / dweight
     """
@@ -225,7 +226,7 @@ class _Stages:
         self.free = list(range(self.plan.kv_slots))
         if backward:
             acc = torch.float64 if x.dtype == torch.float64 else torch.float32
-            self.pair = x.new_empty(slab)
+            self.pair = x.new_empty(p * t * 2 * max(len(s.query_heads[self.rank]) for s in schedule.stages) * d)
             self.dkv = torch.empty(self.plan.kv_slots, 2, p * t, d, dtype=acc, device=x.device)
             self.dw = x.new_empty(p * w * d * hidden)
 
