@@ -19,7 +19,7 @@ from typing import Dict, List, Tuple
 import pytest
 import torch
 
-from tests.cp_cases import reference_errors
+from tests.cp_cases import local_attention_case, reference_errors
 from tests.distributed import run_distributed
 
 HEAD_DIM = 8
@@ -33,31 +33,21 @@ def _lengths(world: int) -> List[int]:
 
 def _cpa_case(plan, seed: int, h: int, h_kv: int, dtype: torch.dtype) -> Dict[str, float]:
     """``context_parallel_attention`` fwd + bwd: error / TOL (rank 0), forward bytes vs ``plan.stats`` and padding."""
-    from megatron_hsap.attention import context_parallel_attention
-    from megatron_hsap.instrumentation import count_comm
     from megatron_hsap.sequence.doc_lengths import cu_seqlens_from_lengths
 
-    gen = torch.Generator().manual_seed(seed)
-    total = plan.total_tokens
-    q, k, v = (torch.randn(total, n, HEAD_DIM, generator=gen, dtype=torch.float64) for n in (h, h_kv, h_kv))
-    dout = torch.randn(total, h, HEAD_DIM, generator=gen, dtype=torch.float64)
-    local = [plan.shard(x).to(dtype).requires_grad_() for x in (q, k, v)]
-    with count_comm() as measured:
-        out = context_parallel_attention(*local, plan, causal=True)
-    out.backward(plan.shard(dout).to(dtype))
+    tensors, inputs, measured = local_attention_case(plan, h, h_kv, HEAD_DIM, dtype, True, seed)
     stats, c = plan.stats(h, h_kv, HEAD_DIM, dtype), plan.topology.cp_rank
     predicted = (stats.send_bytes_intra[c], stats.send_bytes_inter[c], stats.recv_bytes_intra[c],
                  stats.recv_bytes_inter[c])
     got_bytes = (measured.send_bytes_intra, measured.send_bytes_inter, measured.recv_bytes_intra,
                  measured.recv_bytes_inter)
-    tensors = (out, local[0].grad, local[1].grad, local[2].grad)
     valid = plan.valid_mask
     result = {"bytes": 0.0 if predicted == got_bytes else 1e9,
-              "padding": float(sum(t.detach()[~valid].abs().sum() for t in tensors))}
-    got = [plan.unshard(t.detach()).double() for t in tensors]
+              "padding": float(sum(t[~valid].abs().sum() for t in tensors))}
+    got = [plan.unshard(t).double() for t in tensors]
     if c == 0:
         cu = cu_seqlens_from_lengths(list(plan.doc_lengths))
-        result["error"] = max(reference_errors(got, [q, k, v, dout], cu, causal=True)) / TOL[dtype]
+        result["error"] = max(reference_errors(got, inputs, cu, causal=True)) / TOL[dtype]
     return result
 
 
