@@ -19,7 +19,7 @@ Inputs are validated on every rank, and agreed on across the CP group, before th
 from __future__ import annotations
 
 import math
-from typing import Optional, Tuple
+from typing import Iterator, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -27,8 +27,8 @@ import torch.distributed as dist
 from megatron_hsap.attention.agreement import agree_across_cp_ranks
 from megatron_hsap.attention.ring import ring_attention_backward, ring_attention_forward
 from megatron_hsap.collectives import all_to_all_member, heads_to_sequence, sequence_to_heads
-from megatron_hsap.kernels import AttentionKernel, get_kernel
 from megatron_hsap.head_split import HeadSplit, Run, split_heads
+from megatron_hsap.kernels import AttentionKernel, get_kernel
 from megatron_hsap.parallel_state import CPTopology, cp_topology_is_initialized, get_cp_topology
 from megatron_hsap.sequence.plan import BatchPlan
 from megatron_hsap.sequence.schedule import MemberSchedule
@@ -95,7 +95,8 @@ def attend_runs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, runs: Tuple[R
 
 def attend_runs_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                          lse: torch.Tensor, runs: Tuple[Run, ...], schedule: MemberSchedule, topology: CPTopology,
-                         kernel: AttentionKernel, scale: float):
+                         kernel: AttentionKernel, scale: float
+                         ) -> Iterator[Tuple[Run, torch.Tensor, torch.Tensor, torch.Tensor]]:
     """Gradients of ``attend_runs`` (same layouts), yielded per run as ``(run, dq, dk, dv)``."""
     for run in runs:
         q0, q1, k0, k1 = run
@@ -138,15 +139,14 @@ class _ContextParallelAttention(torch.autograd.Function):
     def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, schedule: MemberSchedule,
                 topology: CPTopology, kernel: AttentionKernel, scale: float, heads: HeadSplit) -> torch.Tensor:
         ctx.args = (schedule, topology, kernel, scale, heads)
-        me = topology.ulysses_rank
-        runs = heads.runs(me)
-        if topology.ulysses_size == 1:
-            out, lse = attend_runs(q, k, v, runs, schedule, topology, kernel, scale)
+        if topology.ulysses_size == 1:  # all heads on this rank: one GQA run
+            out, lse = ring_attention_forward(q, k, v, schedule, topology, kernel, scale)
             ctx.save_for_backward(q, k, v, out, lse)
             return out
+        me = topology.ulysses_rank
         member = _to_member(q, k, v, topology, heads)
         q_m, k_m, v_m = _split_member(member, heads.query_counts[me])
-        out_m, lse = attend_runs(q_m, k_m, v_m, runs, schedule, topology, kernel, scale)
+        out_m, lse = attend_runs(q_m, k_m, v_m, heads.runs(me), schedule, topology, kernel, scale)
         ctx.save_for_backward(member, out_m, lse)
         return heads_to_sequence(out_m, topology, heads.query_counts)
 
@@ -154,20 +154,18 @@ class _ContextParallelAttention(torch.autograd.Function):
     def backward(ctx, dout: torch.Tensor):
         schedule, topology, kernel, scale, heads = ctx.args
         me, u = topology.ulysses_rank, topology.ulysses_size
-        runs = heads.runs(me)
         if u == 1:
             q, k, v, out, lse = ctx.saved_tensors
-            grads = [torch.empty_like(x) for x in (q, k, v)]
-            _write_run_grads(grads, attend_runs_backward(dout, q, k, v, out, lse, runs, schedule, topology,
-                                                         kernel, scale))
-            return (*grads, None, None, None, None, None)
+            return (*ring_attention_backward(dout, q, k, v, out, lse, schedule, topology, kernel, scale),
+                    None, None, None, None, None)
         member, out_m, lse = ctx.saved_tensors
         t, d = dout.shape[0], dout.shape[2]
         m = heads.query_counts[me]
         dout_m = sequence_to_heads(dout, topology, heads.query_counts, "ulysses_a2a_bwd")
         send = member.new_empty(member.shape)
         _write_run_grads(_split_member(send, m), attend_runs_backward(dout_m, *_split_member(member, m), out_m, lse,
-                                                                      runs, schedule, topology, kernel, scale))
+                                                                      heads.runs(me), schedule, topology, kernel,
+                                                                      scale))
         del dout_m
         sizes = [t * _member_width(heads, r) * d for r in range(u)]
         back = all_to_all_member(send.view(-1), topology, "ulysses_a2a_bwd", send_rows=[sizes[me]] * u,
@@ -178,7 +176,8 @@ class _ContextParallelAttention(torch.autograd.Function):
         at = 0
         for r, size in enumerate(sizes):
             qr, kr = heads.query_range(r), heads.kv_range(r)
-            g_q, g_k, g_v = back[at:at + size].view(t, _member_width(heads, r), d).split((len(qr), len(kr), len(kr)), dim=1)
+            block = back[at:at + size].view(t, _member_width(heads, r), d)
+            g_q, g_k, g_v = block.split((len(qr), len(kr), len(kr)), dim=1)
             dq[:, qr.start:qr.stop] = g_q
             dk[:, kr.start:kr.stop] += g_k  # a KV head used by two ranks: its gradients sum here, once
             dv[:, kr.start:kr.stop] += g_v
@@ -186,7 +185,8 @@ class _ContextParallelAttention(torch.autograd.Function):
         return dq, dk.to(dout.dtype), dv.to(dout.dtype), None, None, None, None, None
 
 
-def _write_run_grads(targets, run_grads) -> None:
+def _write_run_grads(targets: Tuple[torch.Tensor, ...],
+                     run_grads: Iterator[Tuple[Run, torch.Tensor, torch.Tensor, torch.Tensor]]) -> None:
     """Copy ``attend_runs_backward``'s per-run gradients into ``targets`` (dq, dk, dv buffers in member layout)."""
     for (q0, q1, k0, k1), *grads in run_grads:
         for target, grad, (a, b) in zip(targets, grads, ((q0, q1), (k0, k1), (k0, k1))):
