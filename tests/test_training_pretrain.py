@@ -172,12 +172,14 @@ def test_bad_flags_fail_fast(nproc, flags, message):
     assert message in result.stderr
 
 
-def test_heads_not_divisible_by_tp_times_ulysses_fails_on_every_rank(cache_dir):
-    # 4 heads / TP 1 is fine for argparse; Ulysses degree 8 (mode ulysses, CP 8) is only known after start-up.
-    result = _run(["--context-parallel-size", "8", "--context-parallel-mode", "ulysses", "--num-attention-heads", "4",
-                   "--hidden-size", "64", "--seq-length", "256", "--data-cache-path", cache_dir], 8, timeout=300)
+def test_head_chunk_not_fitting_the_ulysses_size_fails_on_every_rank(cache_dir):
+    # --head-chunk-size 3 with 12 heads is fine for argparse; Ulysses degree 8 (mode hsap, CP 8) is only known
+    # after start-up. (12 heads over 8 Ulysses ranks is fine: uneven splits, tests/test_uneven_heads.py.)
+    result = _run(["--context-parallel-size", "8", "--context-parallel-mode", "hsap", "--num-attention-heads", "12",
+                   "--head-chunk-size", "3", "--hidden-size", "96", "--seq-length", "256",
+                   "--data-cache-path", cache_dir], 8, timeout=300)
     assert result.returncode == 2
-    assert result.stderr.count("must be divisible by --tensor-model-parallel-size x Ulysses size (1 x 8)") == 8
+    assert result.stderr.count("head_chunk_size=3 must be a multiple of ulysses_size=8") == 8
 
 
 @pytest.mark.parametrize("tracker", ["7", "not-a-number"])

@@ -329,9 +329,6 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
                         ("--num-query-groups", args.num_query_groups)):
         if heads % tp != 0:
             raise ValueError(f"{flag} ({heads}) must be divisible by --tensor-model-parallel-size ({tp})")
-    if args.ulysses_size is not None and (args.num_attention_heads // tp) % args.ulysses_size != 0:
-        raise ValueError(f"--num-attention-heads ({args.num_attention_heads}) must be divisible by "
-                         f"--tensor-model-parallel-size x --ulysses-size ({tp} x {args.ulysses_size})")
     if args.sequence_parallel and tp == 1:
         args.sequence_parallel = False
         args.compat_notes.append("--sequence-parallel has no effect with --tensor-model-parallel-size 1: turned off "

@@ -54,14 +54,16 @@ def _init_distributed(args: argparse.Namespace) -> None:
 
 
 def _check_heads(args: argparse.Namespace, topology: Any) -> None:
-    """Head counts against TP x Ulysses and the head-chunk size, identically on every rank."""
+    """Head counts per TP rank against the Ulysses size and the head-chunk size, identically on every rank
+    (any counts split over the Ulysses group, see ``megatron_hsap.head_split``; the chunk size must fit them)."""
     cp_config = cp_config_from_args(args)
     heads_per_tp = args.num_attention_heads // args.tensor_model_parallel_size
-    if heads_per_tp % topology.ulysses_size != 0:
-        raise ValueError(f"--num-attention-heads ({args.num_attention_heads}) must be divisible by "
-                         f"--tensor-model-parallel-size x Ulysses size ({args.tensor_model_parallel_size} x "
-                         f"{topology.ulysses_size})")
-    cp_config.resolve_head_chunk_size(heads_per_tp, topology.ulysses_size)
+    try:
+        cp_config.resolve_head_chunk_size(heads_per_tp, topology.ulysses_size)
+    except ValueError as err:
+        raise ValueError(f"--head-chunk-size with --num-attention-heads ({args.num_attention_heads}) / "
+                         f"--tensor-model-parallel-size ({args.tensor_model_parallel_size}) and Ulysses size "
+                         f"{topology.ulysses_size}: {err}") from None
 
 
 def _packed_iterator(batches: Iterator[Dict[str, torch.Tensor]], eod: int, split_at_eod: bool, topology: Any,
