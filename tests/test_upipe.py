@@ -61,6 +61,16 @@ def _measured_sent(stats) -> Dict[Tuple[str, str], int]:
     return {k: v for k, v in stats.sent.items() if v}
 
 
+def _ring_bytes(stages) -> Dict[Tuple[str, str], int]:
+    """Ring bytes ({(op, intra|inter): bytes}) of a layer, summed over stages, forward and backward."""
+    total: Dict[Tuple[str, str], int] = {}
+    for fwd, bwd in stages:
+        for (op, where), n in (*fwd.items(), *bwd.items()):
+            if op.startswith("ring"):
+                total[(op, where)] = total.get((op, where), 0) + n
+    return total
+
+
 def _run_cases(mode: str, ulysses_size: int, ranks_per_node: int,
                cases: List[Tuple]) -> Dict[str, float]:
     """cases: (H, H_kv, U or None for the config default, tp, hard case name[, dtype (default float64)]).
@@ -114,6 +124,11 @@ def _run_cases(mode: str, ulysses_size: int, ranks_per_node: int,
             for direction, stage, stats in log:
                 bytes_ok &= _measured_sent(stats) == predicted[stage][direction == "backward"]
         results[key + "/bytes"] = 0.0 if bytes_ok else 1e9
+        if topo.ring_size > 1:  # head chunks move exactly the ring bytes of one stage of all heads
+            one_stage = resolve_head_schedule(plan, h // tp, h_kv // tp, h // tp)
+            ring = [_ring_bytes(predicted_stage_comm(sch, plan, HEAD_DIM, dtype)) for sch in (schedule, one_stage)]
+            results[key + "/ring"] = 0.0 if ring[0] == ring[1] else 1e9
+            results[key + "/ring_bytes"] = float(sum(ring[0].values()))
         valid = plan.valid_mask
         results[key + "/padding"] = float(out.detach()[~valid].abs().sum() + hidden.grad[~valid].abs().sum())
 
@@ -159,13 +174,16 @@ LAUNCHES = [  # (world size, mode, Ulysses size, ranks per node, cases)
                          ids=[f"cp{w}-{m}-u{u}" for w, m, u, _, _ in LAUNCHES])
 def test_matches_dense_multi_head_attention(world_size, mode, ulysses_size, ranks_per_node, cases):
     results = run_distributed(_run_cases, world_size, mode, ulysses_size, ranks_per_node, cases, timeout=600)
-    checked = [k for k in results[0] if not k.endswith(("/bytes", "/padding"))]
+    checked = [k for k in results[0] if not k.endswith(("/bytes", "/padding", "/ring", "/ring_bytes"))]
     assert len(checked) == len(cases)
     bad = {k: v for k, v in results[0].items() if k in checked and not v <= 1.0}
     assert not bad, f"output/input grad/weight grad/bias grad error over {TOL}, as multiples of the dtype's: {bad}"
     for rank, res in enumerate(results):
-        broken = {k: v for k, v in res.items() if k.endswith(("/bytes", "/padding")) and v != 0.0}
-        assert not broken, f"rank {rank}: measured bytes != predicted_stage_comm, or nonzero padding: {broken}"
+        broken = {k: v for k, v in res.items() if k.endswith(("/bytes", "/padding", "/ring")) and v != 0.0}
+        assert not broken, (f"rank {rank}: measured bytes != predicted_stage_comm, nonzero padding, or head chunks "
+                            f"move more ring bytes than one stage of all heads: {broken}")
+    if mode in ("hybrid", "hsap"):  # the ring comparison ran and had bytes to compare
+        assert sum(v for res in results for k, v in res.items() if k.endswith("/ring_bytes")) > 0
 
 
 def test_kv_sent_once_per_group():

@@ -13,7 +13,10 @@ saved but its log-sum-exp), brings the stage's output and output gradient over i
 all-to-all, and accumulates the weight, bias and input gradients stage by stage. KV
 gradients are summed on the attending rank over the stages that use a KV head and go
 back once, in the stage of its last use; replicated KV heads (H_kv < P) sum in the
-weight gradient.
+weight gradient. With a ring, a stage sends over the ring only the KV heads it attends first, later
+stages reuse the received rows, and their gradients go back once, in the stage of last use
+(``ring.SharedRemoteKeyValues``): a KV head crosses the ring once per layer in each direction, as
+without head chunks.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ import torch
 
 from megatron_hsap.attention.context_parallel import check_device_matches_backend
 from megatron_hsap.attention.head_schedule import HeadSchedule, Stage, build_head_schedule
-from megatron_hsap.attention.ring import ring_attention_backward, ring_attention_forward
+from megatron_hsap.attention.ring import SharedRemoteKeyValues, ring_attention_backward, ring_attention_forward
 from megatron_hsap.collectives import heads_to_sequence, sequence_to_heads
 from megatron_hsap.instrumentation.comm import CommStats, comm_stats
 from megatron_hsap.kernels import get_kernel
@@ -102,8 +105,9 @@ def predicted_stage_comm(schedule: HeadSchedule, plan: BatchPlan, head_dim: int,
 
     All-to-alls: t_local x (heads per destination) x d per peer of the Ulysses group (forward:
     q + new k/v in, output back; backward: the same q/k/v again, output + its gradient, then
-    dq + dk/dv of finished KV heads). Ring: the member schedule's rows x the stage's KV heads
-    (k and v) per exchange, and the same rows of dk/dv back in the backward.
+    dq + dk/dv of finished KV heads). Ring: the member schedule's rows x the KV heads first attended
+    in the stage (k and v) per exchange, and the received rows' dk/dv of the KV heads last attended
+    in the stage back in the backward.
     """
     topo = plan.topology
     me, u = topo.cp_rank, topo.ulysses_rank
@@ -124,14 +128,14 @@ def predicted_stage_comm(schedule: HeadSchedule, plan: BatchPlan, head_dim: int,
             for table, op, heads in ((fwd, OP_QKV, m + 2 * n), (fwd, OP_OUT, m), (bwd, OP_QKV_BWD, m + 2 * n),
                                      (bwd, OP_OUT_BWD, 2 * m), (bwd, OP_DQKV_BWD, m + 2 * c)):
                 table[(op, where(peer))] += t * heads * head_dim * elem
-        row_bytes = 2 * len(stage.attn_kv[u]) * head_dim * elem
+        row_bytes, grad_row_bytes = (2 * len(heads[u]) * head_dim * elem for heads in (stage.new_kv, stage.done_kv))
         for _, recv, send in member.steps():
             if send is not None:
                 peer = send.dst_member * topo.ulysses_size + u
                 fwd[("ring_kv", where(peer))] += send.rows.num_rows * row_bytes
                 bwd[("ring_kv_bwd", where(peer))] += send.rows.num_rows * row_bytes
             if recv is not None:
-                bwd[("ring_dkv", where(recv.src_member * topo.ulysses_size + u))] += recv.num_rows * row_bytes
+                bwd[("ring_dkv", where(recv.src_member * topo.ulysses_size + u))] += recv.num_rows * grad_row_bytes
         out.append(({k: v for k, v in fwd.items() if v}, {k: v for k, v in bwd.items() if v}))
     return out
 
@@ -217,6 +221,7 @@ class _Stages:
         self.kernel = get_kernel(self.topo.config.kernel)
         self.rank = self.topo.ulysses_rank
         self.plan = _rank_plan(schedule, self.rank, head_dim)
+        self.remote_kv = SharedRemoteKeyValues() if self.topo.ring_size > 1 else None
         self.query_index = _query_index(schedule, x.device)
         t, hidden = x.shape
         p, m, d, w = schedule.ulysses_size, schedule.heads_per_rank, head_dim, self.plan.width
@@ -294,6 +299,14 @@ class _Stages:
             v[:, i].copy_(self.kv[slot, 1])
         return k, v
 
+    def shared_remote_kv(self, stage: Stage) -> Optional[SharedRemoteKeyValues]:
+        """The ring's kept remote K/V rows, told which KV heads this stage attends, first and last."""
+        shared = self.remote_kv
+        if shared is not None:
+            r = self.rank
+            shared.heads, shared.new, shared.done = stage.attn_kv[r], stage.new_kv[r], stage.done_kv[r]
+        return shared
+
     def release(self, stage: Stage) -> None:
         """Free the slots of the KV heads whose last stage this was."""
         for j in stage.done_kv[self.rank]:
@@ -314,7 +327,7 @@ def _forward(st: _Stages, num_heads_q: int, log: Optional[CommLog]) -> Tuple[tor
         before = None if log is None else comm_stats()
         q = st.project(s, stage, OP_QKV)
         k, v = st.attention_kv(stage)
-        out, lse = ring_attention_forward(q, k, v, st.member, st.topo, st.kernel, st.scale)
+        out, lse = ring_attention_forward(q, k, v, st.member, st.topo, st.kernel, st.scale, st.shared_remote_kv(stage))
         del q, k, v
         st.release(stage)
         back = st.a2a_out(out, OP_OUT, st._view(st.send, p, t, out.shape[1], d))  # [P, t, m, d]
@@ -352,7 +365,7 @@ def _backward(st: _Stages, output: torch.Tensor, grad: torch.Tensor, lses: List[
         pair = st.a2a_in(send, OP_OUT_BWD, st._view(st.pair, p, t, 2 * m, d))
         k, v = st.attention_kv(stage)
         dq, dk, dv = ring_attention_backward(pair[:, m:], q, k, v, pair[:, :m], lse, st.member,
-                                             st.topo, st.kernel, st.scale)
+                                             st.topo, st.kernel, st.scale, st.shared_remote_kv(stage))
         del pair, q, k, v
         for i, j in enumerate(stage.attn_kv[st.rank]):
             st.dkv[st.slot[j], 0] += dk[:, i]
