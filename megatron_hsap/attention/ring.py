@@ -148,6 +148,9 @@ def ring_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sc
     Returns out ``[t_m, h_q', d]`` in q's dtype and lse ``[h_q', t_m]`` (fp32; fp64 for fp64 inputs).
     shared: remote rows kept across calls that attend the same KV heads (see the module doc)."""
     ring_size = topology.ring_size
+    if ring_size == 1 and len(schedule.local_blocks):  # one kernel call: its result is final, nothing to merge
+        trace_event("kernel", "forward", 0)
+        return kernel.forward(q, k, v, schedule.local_blocks, softmax_scale)
     slots = _KeyValueSlots(schedule, topology, k, v, OP_KV, shared)
     pending = slots.post(1) if ring_size > 1 else None
     out, lse = _empty_result(q)
@@ -184,6 +187,10 @@ def ring_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     column of the head)."""
     ring_size = topology.ring_size
     dout = dout.contiguous()
+    if ring_size == 1 and len(schedule.local_blocks):  # one kernel call: no accumulators
+        trace_event("kernel", "backward", 0)
+        grads = kernel.backward(dout, q, k, v, out, lse, schedule.local_blocks, softmax_scale)
+        return tuple(g.to(x.dtype) for g, x in zip(grads, (q, k, v)))
     acc = _acc_dtype(q.dtype)
     dq = torch.zeros(q.shape, dtype=acc, device=q.device)
     dk = torch.zeros(k.shape, dtype=acc, device=k.device)

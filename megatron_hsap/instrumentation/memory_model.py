@@ -185,7 +185,9 @@ def attention_block_bytes(model: ModelShape, par: Parallelism, train: Training, 
             + stages * m * big_t * f                 # per-stage lse
             + t * hidden * e                         # dx
             + 2 * t * d * e)                         # RoPE cos/sin
-    ring_acc = big_t * m * d * (e + f) + big_t * 2 * attn * d * f   # dout copy, dq and dk/dv accumulators
+    ring_acc = big_t * m * d * e                     # dout copy
+    if ring > 1:  # several kernel calls per stage: the output and dq/dk/dv accumulate in fp32
+        ring_acc += big_t * m * d * f + big_t * 2 * attn * d * f
     ring_recv = 0
     if ring > 1:
         remote = (ring - 1) * big_t if par.remote_kv_rows is None else par.remote_kv_rows
