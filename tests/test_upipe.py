@@ -61,11 +61,23 @@ def _measured_sent(stats) -> Dict[Tuple[str, str], int]:
     return {k: v for k, v in stats.sent.items() if v}
 
 
+def _ring_bytes(stages) -> Dict[Tuple[str, str], int]:
+    """Ring bytes ({(op, intra|inter): bytes}) of a layer, summed over stages, forward and backward."""
+    total: Dict[Tuple[str, str], int] = {}
+    for fwd, bwd in stages:
+        for (op, where), n in (*fwd.items(), *bwd.items()):
+            if op.startswith("ring"):
+                total[(op, where)] = total.get((op, where), 0) + n
+    return total
+
+
 def upipe_case(plan, seed: int, h: int, h_kv: int, u: Optional[int], tp: int, dtype: torch.dtype
                ) -> Dict[str, float]:
     """One ``head_chunked_attention`` fwd + bwd (TP emulated by ``tp`` weight shards) on ``plan``'s batch against
     the dense reference. Returns {"error": error / TOL[dtype] (rank 0 only), "bytes": 0.0 when every stage's
-    measured bytes equal ``predicted_stage_comm``, "padding": sum of |output| + |input grad| on padding slots}."""
+    measured bytes equal ``predicted_stage_comm``, "padding": sum of |output| + |input grad| on padding slots;
+    with a ring, "ring": 0.0 when the layer's ring bytes equal those of one stage of all heads (a KV head
+    crosses the ring once per layer), "ring_bytes": those bytes}."""
     import torch.distributed as dist
 
     from megatron_hsap.attention.upipe import head_chunked_attention, predicted_stage_comm, resolve_head_schedule
@@ -89,7 +101,8 @@ def upipe_case(plan, seed: int, h: int, h_kv: int, u: Optional[int], tp: int, dt
     out = torch.cat(outs, dim=-1)
     out.backward(plan.shard(dout).unsqueeze(1).to(dtype))
 
-    predicted = predicted_stage_comm(resolve_head_schedule(plan, h // tp, h_kv // tp, u), plan, HEAD_DIM, dtype)
+    schedule = resolve_head_schedule(plan, h // tp, h_kv // tp, u)
+    predicted = predicted_stage_comm(schedule, plan, HEAD_DIM, dtype)
     bytes_ok = all(len(log) == 2 * len(predicted) for log in logs)
     for log in logs:
         for direction, stage, stats in log:
@@ -97,6 +110,11 @@ def upipe_case(plan, seed: int, h: int, h_kv: int, u: Optional[int], tp: int, dt
     valid = plan.valid_mask
     result = {"bytes": 0.0 if bytes_ok else 1e9,
               "padding": float(out.detach()[~valid].abs().sum() + hidden.grad[~valid].abs().sum())}
+    if plan.topology.ring_size > 1:  # head chunks move exactly the ring bytes of one stage of all heads
+        one_stage = resolve_head_schedule(plan, h // tp, h_kv // tp, h // tp)
+        ring = [_ring_bytes(predicted_stage_comm(sch, plan, HEAD_DIM, dtype)) for sch in (schedule, one_stage)]
+        result["ring"] = 0.0 if ring[0] == ring[1] else 1e9
+        result["ring_bytes"] = float(sum(ring[0].values()))
     d_weight = torch.cat([w.grad for w, _ in shards])
     d_bias = torch.cat([b.grad for _, b in shards])
     dist.all_reduce(d_weight)
@@ -140,9 +158,8 @@ def _run_cases(mode: str, ulysses_size: int, ranks_per_node: int,
             assert mode == "hsap" and resolve_head_schedule(plan, h // tp, h_kv // tp, u).head_chunk_size == \
                 ulysses_size
         result = upipe_case(plan, i, h, h_kv, u, tp, dtype)
-        results[key + "/bytes"], results[key + "/padding"] = result["bytes"], result["padding"]
-        if "error" in result:
-            results[key] = result["error"]
+        for name, value in result.items():
+            results[key if name == "error" else f"{key}/{name}"] = value
     return results
 
 
@@ -174,13 +191,16 @@ LAUNCHES = [  # (world size, mode, Ulysses size, ranks per node, cases)
                          ids=[f"cp{w}-{m}-u{u}" for w, m, u, _, _ in LAUNCHES])
 def test_matches_dense_multi_head_attention(world_size, mode, ulysses_size, ranks_per_node, cases):
     results = run_distributed(_run_cases, world_size, mode, ulysses_size, ranks_per_node, cases, timeout=600)
-    checked = [k for k in results[0] if not k.endswith(("/bytes", "/padding"))]
+    checked = [k for k in results[0] if not k.endswith(("/bytes", "/padding", "/ring", "/ring_bytes"))]
     assert len(checked) == len(cases)
     bad = {k: v for k, v in results[0].items() if k in checked and not v <= 1.0}
     assert not bad, f"output/input grad/weight grad/bias grad error over {TOL}, as multiples of the dtype's: {bad}"
     for rank, res in enumerate(results):
-        broken = {k: v for k, v in res.items() if k.endswith(("/bytes", "/padding")) and v != 0.0}
-        assert not broken, f"rank {rank}: measured bytes != predicted_stage_comm, or nonzero padding: {broken}"
+        broken = {k: v for k, v in res.items() if k.endswith(("/bytes", "/padding", "/ring")) and v != 0.0}
+        assert not broken, (f"rank {rank}: measured bytes != predicted_stage_comm, nonzero padding, or head chunks "
+                            f"move more ring bytes than one stage of all heads: {broken}")
+    if mode in ("hybrid", "hsap"):  # the ring comparison ran and had bytes to compare
+        assert sum(v for res in results for k, v in res.items() if k.endswith("/ring_bytes")) > 0
 
 
 def test_kv_sent_once_per_group():

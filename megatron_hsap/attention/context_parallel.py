@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_hsap.attention.agreement import agree_across_cp_ranks
-from megatron_hsap.attention.ring import ring_attention_backward, ring_attention_forward
+from megatron_hsap.attention.ring import SharedRemoteKeyValues, ring_attention_backward, ring_attention_forward
 from megatron_hsap.collectives import all_to_all_member, heads_to_sequence, sequence_to_heads
 from megatron_hsap.head_split import HeadSplit, Run, split_heads
 from megatron_hsap.kernels import AttentionKernel, get_kernel
@@ -77,14 +77,20 @@ def check_attention_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pl
 
 
 def attend_runs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, runs: Tuple[Run, ...], schedule: MemberSchedule,
-                topology: CPTopology, kernel: AttentionKernel, scale: float) -> Tuple[torch.Tensor, torch.Tensor]:
+                topology: CPTopology, kernel: AttentionKernel, scale: float,
+                shared: Optional[SharedRemoteKeyValues] = None) -> Tuple[torch.Tensor, torch.Tensor]:
     """Ring attention of one rank's member heads, one call per GQA run (``head_split.gqa_runs``).
 
     q ``[t_m, h, d]``, k/v ``[t_m, h_kv, d]``: the member's tokens of this rank's heads. Returns out
     ``[t_m, h, d]`` and lse ``[h, t_m]`` (no heads: empty, nothing posted, as on every ring peer).
+    shared: remote K/V rows kept across UPipe stages (``ring.SharedRemoteKeyValues``, its stage begun).
     """
-    parts = [ring_attention_forward(q[:, q0:q1], k[:, k0:k1], v[:, k0:k1], schedule, topology, kernel, scale)
-             for q0, q1, k0, k1 in runs]
+    parts = []
+    for q0, q1, k0, k1 in runs:
+        if shared is not None:
+            shared.select(k0, k1)
+        parts.append(ring_attention_forward(q[:, q0:q1], k[:, k0:k1], v[:, k0:k1], schedule, topology, kernel,
+                                            scale, shared))
     if len(parts) == 1:
         return parts[0]
     if not parts:
@@ -95,13 +101,15 @@ def attend_runs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, runs: Tuple[R
 
 def attend_runs_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                          lse: torch.Tensor, runs: Tuple[Run, ...], schedule: MemberSchedule, topology: CPTopology,
-                         kernel: AttentionKernel, scale: float
+                         kernel: AttentionKernel, scale: float, shared: Optional[SharedRemoteKeyValues] = None
                          ) -> Iterator[Tuple[Run, torch.Tensor, torch.Tensor, torch.Tensor]]:
     """Gradients of ``attend_runs`` (same layouts), yielded per run as ``(run, dq, dk, dv)``."""
     for run in runs:
         q0, q1, k0, k1 = run
+        if shared is not None:
+            shared.select(k0, k1)
         yield (run, *ring_attention_backward(dout[:, q0:q1], q[:, q0:q1], k[:, k0:k1], v[:, k0:k1], out[:, q0:q1],
-                                             lse[q0:q1], schedule, topology, kernel, scale))
+                                             lse[q0:q1], schedule, topology, kernel, scale, shared))
 
 
 def _member_width(heads: HeadSplit, rank: int) -> int:

@@ -15,6 +15,10 @@ gradients are summed on the attending rank over the stages that use a KV head an
 back once, in the stage of its last use; a KV head sent to two ranks (its query heads
 straddle their ranges) sums in the weight and input gradients. Head counts need not
 divide the Ulysses size: the all-to-alls then use uneven split sizes.
+With a ring, a stage sends over the ring only the KV heads it attends first, later
+stages reuse the received rows, and their gradients go back once, in the stage of last use
+(``ring.SharedRemoteKeyValues``): a KV head crosses the ring once per layer in each direction, as
+without head chunks.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ import torch.distributed as dist
 
 from megatron_hsap.attention.context_parallel import attend_runs, attend_runs_backward, check_device_matches_backend
 from megatron_hsap.attention.head_schedule import HeadSchedule, Stage, build_head_schedule
+from megatron_hsap.attention.ring import SharedRemoteKeyValues
 from megatron_hsap.collectives import all_to_all_member
 from megatron_hsap.instrumentation.comm import CommStats, comm_stats
 from megatron_hsap.kernels import get_kernel
@@ -110,8 +115,9 @@ def predicted_stage_comm(schedule: HeadSchedule, plan: BatchPlan, head_dim: int,
 
     All-to-alls: t_local x (heads) x d per peer of the Ulysses group (forward: the peer's q + new
     k/v, this rank's output back; backward: the same q/k/v again, the peer's output + its gradient,
-    then this rank's dq + dk/dv of finished KV heads). Ring: the member schedule's rows x the stage's KV heads
-    (k and v) per exchange, and the same rows of dk/dv back in the backward.
+    then this rank's dq + dk/dv of finished KV heads). Ring: the member schedule's rows x the KV heads
+    first attended in the stage (k and v) per exchange, and the received rows' dk/dv of the KV heads last
+    attended in the stage back in the backward.
     """
     topo = plan.topology
     me, u = topo.cp_rank, topo.ulysses_rank
@@ -134,14 +140,14 @@ def predicted_stage_comm(schedule: HeadSchedule, plan: BatchPlan, head_dim: int,
             for table, op, heads in ((fwd, OP_QKV, m + 2 * n), (fwd, OP_OUT, mine), (bwd, OP_QKV_BWD, m + 2 * n),
                                      (bwd, OP_OUT_BWD, 2 * m), (bwd, OP_DQKV_BWD, mine + 2 * done)):
                 table[(op, where(peer))] += t * heads * head_dim * elem
-        row_bytes = 2 * len(stage.attn_kv[u]) * head_dim * elem
+        row_bytes, grad_row_bytes = (2 * len(heads[u]) * head_dim * elem for heads in (stage.new_kv, stage.done_kv))
         for _, recv, send in member.steps():
             if send is not None:
                 peer = send.dst_member * topo.ulysses_size + u
                 fwd[("ring_kv", where(peer))] += send.rows.num_rows * row_bytes
                 bwd[("ring_kv_bwd", where(peer))] += send.rows.num_rows * row_bytes
             if recv is not None:
-                bwd[("ring_dkv", where(recv.src_member * topo.ulysses_size + u))] += recv.num_rows * row_bytes
+                bwd[("ring_dkv", where(recv.src_member * topo.ulysses_size + u))] += recv.num_rows * grad_row_bytes
         out.append(({k: v for k, v in fwd.items() if v}, {k: v for k, v in bwd.items() if v}))
     return out
 
@@ -221,6 +227,7 @@ class _Stages:
         self.kernel = get_kernel(self.topo.config.kernel)
         self.rank = self.topo.ulysses_rank
         self.plan = _rank_plan(schedule, self.rank, head_dim)
+        self.remote_kv = SharedRemoteKeyValues() if self.topo.ring_size > 1 else None
         t, hidden = x.shape
         p, d, w = schedule.ulysses_size, head_dim, self.plan.width
         slab = p * t * w * d
@@ -304,6 +311,13 @@ class _Stages:
             v[:, i].copy_(self.kv[slot, 1])
         return k, v
 
+    def shared_remote_kv(self, stage: Stage) -> Optional[SharedRemoteKeyValues]:
+        """The ring's kept remote K/V rows, told which KV heads this stage attends, first and last."""
+        if self.remote_kv is not None:
+            r = self.rank
+            self.remote_kv.begin_stage(stage.attn_kv[r], stage.new_kv[r], stage.done_kv[r])
+        return self.remote_kv
+
     def release(self, stage: Stage) -> None:
         """Free the slots of the KV heads whose last stage this was."""
         for j in stage.done_kv[self.rank]:
@@ -324,7 +338,8 @@ def _forward(st: _Stages, num_heads_q: int, log: Optional[CommLog]) -> Tuple[tor
         before = None if log is None else comm_stats()
         q = st.project(s, stage, OP_QKV)
         k, v = st.attention_kv(stage)
-        out, lse = attend_runs(q, k, v, stage.runs[st.rank], st.member, st.topo, st.kernel, st.scale)
+        out, lse = attend_runs(q, k, v, stage.runs[st.rank], st.member, st.topo, st.kernel, st.scale,
+                               st.shared_remote_kv(stage))
         del q, k, v
         st.release(stage)
         counts = [len(heads) for heads in stage.query_heads]
@@ -371,7 +386,7 @@ def _backward(st: _Stages, output: torch.Tensor, grad: torch.Tensor, lses: List[
         attn_kv = stage.attn_kv[st.rank]
         for (q0, q1, k0, _), dq, dk, dv in attend_runs_backward(pair[:, m:], q, k, v, pair[:, :m], lse,
                                                                 stage.runs[st.rank], st.member, st.topo,
-                                                                st.kernel, st.scale):
+                                                                st.kernel, st.scale, st.shared_remote_kv(stage)):
             grads[:, q0:q1].copy_(dq)
             for i in range(dk.shape[1]):
                 st.dkv[st.slot[attn_kv[k0 + i]], 0] += dk[:, i]
