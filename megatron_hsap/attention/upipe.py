@@ -391,6 +391,7 @@ def _backward(st: _Stages, output: torch.Tensor, grad: torch.Tensor, lses: List[
             for i in range(dk.shape[1]):
                 st.dkv[st.slot[attn_kv[k0 + i]], 0] += dk[:, i]
                 st.dkv[st.slot[attn_kv[k0 + i]], 1] += dv[:, i]
+            del dq, dk, dv  # not alive into the next stage
         del pair, q, k, v
         for i, j in enumerate(done):
             grads[:, m + i].copy_(st.dkv[st.slot[j], 0])
