@@ -13,7 +13,8 @@ import torch.nn.functional as F
 
 from megatron_hsap.config import ContextParallelConfig
 from megatron_hsap.megatron.cpu_shim import cpu_config_overrides
-from megatron_hsap.megatron.spec import get_gpt_decoder_block_hsap_spec, use_transformer_engine
+from megatron_hsap.megatron.spec import (get_gpt_decoder_block_hsap_spec, transformer_engine_usable,
+                                         use_transformer_engine)
 
 __all__ = ["transformer_config", "fusion_settings", "padded_vocab_size", "build_model", "build_gpt_chunk",
            "layout_independent_init"]
@@ -104,7 +105,9 @@ def build_gpt_chunk(args: argparse.Namespace, config: Any, cp_config: ContextPar
     ``megatron_hsap.megatron_lm``). ``args`` needs Megatron-LM's model flags plus ``--mlp/loss-sequence-chunks``."""
     from megatron_hsap.megatron.sequence_chunks import HSAPGPTModel
 
-    use_te = use_transformer_engine(getattr(args, "transformer_impl", "local"))
+    # --transformer-impl's default (None): TE where it can run, as its help says
+    impl = getattr(args, "transformer_impl", None) or ("transformer_engine" if transformer_engine_usable() else "local")
+    use_te = use_transformer_engine(impl)
     block = get_gpt_decoder_block_hsap_spec(config, cp_config, vp_stage=vp_stage, use_transformer_engine=use_te,
                                             mlp_sequence_chunks=args.mlp_sequence_chunks)
     return HSAPGPTModel(
