@@ -58,6 +58,8 @@ class PlanStats:
     send_bytes_inter: List[int]
     recv_bytes_intra: List[int]
     recv_bytes_inter: List[int]
+    #: The ring's key/value bytes among ``send_bytes_*`` (what a sliding window shrinks).
+    ring_send_bytes: List[int]
 
     def __getitem__(self, key: str) -> List[int]:
         return getattr(self, key)
@@ -317,6 +319,7 @@ class BatchPlan:
 
         send_intra, send_inter = [0] * cp, [0] * cp
         recv_intra, recv_inter = [0] * cp, [0] * cp
+        ring_send = [0] * cp
 
         def add(src: int, dst: int, nbytes: int) -> None:
             if nbytes == 0:
@@ -341,7 +344,8 @@ class BatchPlan:
                     rows = needed_rows(pieces[a], pieces[b], causal, window)
                     for u in range(ulysses):
                         add(b * ulysses + u, a * ulysses + u, rows * row_bytes)
-        return PlanStats(tokens, padding, flops, send_intra, send_inter, recv_intra, recv_inter)
+                        ring_send[b * ulysses + u] += rows * row_bytes
+        return PlanStats(tokens, padding, flops, send_intra, send_inter, recv_intra, recv_inter, ring_send)
 
 
 def needed_rows(q_docs: Dict[int, List[Piece]], k_docs: Dict[int, List[Piece]], causal: bool,
