@@ -146,3 +146,22 @@ def test_bad_window_raises_on_every_rank_before_any_collective():
     for rank_messages in messages:
         assert "allowed values" in rank_messages[0] and "causal=True" in rank_messages[0]
         assert "window_size (CP ranks [1] differ from CP rank 0)" in rank_messages[3]
+
+
+def test_megatron_layer_windows_follow_window_attn_skip_freq():
+    """Per-layer windows as Megatron configures them: ``window_size`` on the layers its
+    ``is_layer_window_attention`` selects; a window a causal layer cannot have fails at build time."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from megatron_hsap.megatron.attention import layer_window_size
+
+    def config(**kwargs) -> TransformerConfig:
+        return TransformerConfig(num_layers=4, hidden_size=16, num_attention_heads=4, **kwargs)
+
+    every_second_full = config(window_size=(64, 0), window_attn_skip_freq=2)
+    assert [layer_window_size(every_second_full, n) for n in (1, 2, 3, 4)] == [(64, 0), None, (64, 0), None]
+    pattern = config(window_size=(8, -1), window_attn_skip_freq=[0, 1, 1, 0])
+    assert [layer_window_size(pattern, n) for n in (1, 2, 3, 4)] == [None, (8, 0), (8, 0), None]
+    assert layer_window_size(config(), 1) is None and layer_window_size(config(window_size=(-1, -1)), 1) is None
+    with pytest.raises(ValueError, match=r"window_size=\(4, 4\) has right=4 with causal=True"):
+        layer_window_size(config(window_size=(4, 4)), 1)

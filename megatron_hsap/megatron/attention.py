@@ -30,6 +30,7 @@ from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear
 from megatron.core.transformer.attention import SelfAttention
 from megatron.core.transformer.identity_op import IdentityOp
+from megatron.core.transformer.utils import is_layer_window_attention
 
 from megatron_hsap.config import ContextParallelConfig
 
@@ -60,6 +61,8 @@ class HSAPSelfAttention(SelfAttention):
         super().__init__(*args, **kwargs)
         self.cp_config = cp_config
         check_hsap_attention_config(self.config)
+        #: this layer's sliding window (None = full causal attention), as Megatron configures it
+        self.hsap_window_size = layer_window_size(self.config, self.layer_number)
 
     @property
     def hsap_softmax_scale(self) -> float:
@@ -128,7 +131,8 @@ class HSAPSelfAttention(SelfAttention):
             key = apply_rotary_pos_emb(key, k_table[positions], config=self.config)
 
         def core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            return context_parallel_attention(q, k, v, plan, causal=True, softmax_scale=self.hsap_softmax_scale)
+            return context_parallel_attention(q, k, v, plan, causal=True, softmax_scale=self.hsap_softmax_scale,
+                                              window_size=self.hsap_window_size)
 
         if self.checkpoint_core_attention and self.training:  # --recompute-granularity selective
             return tensor_parallel.checkpoint(core, False, query[:, 0], key[:, 0], value[:, 0])
@@ -166,7 +170,19 @@ class HSAPSelfAttention(SelfAttention):
             hidden, self.linear_qkv.weight, self.linear_qkv.bias, plan,
             num_heads_q=self.num_attention_heads_per_partition, num_heads_kv=self.num_query_groups_per_partition,
             head_dim=self.hidden_size_per_attention_head, rotary_freqs=freqs, rope_base=None, causal=True,
-            softmax_scale=self.hsap_softmax_scale, head_chunk_size=chunk)
+            softmax_scale=self.hsap_softmax_scale, head_chunk_size=chunk, window_size=self.hsap_window_size)
+
+
+def layer_window_size(config: Any, layer_number: int) -> Optional[Tuple[int, int]]:
+    """The sliding window of layer ``layer_number`` (1-based, Megatron's numbering): ``config.window_size``
+    on the layers Megatron's ``is_layer_window_attention`` selects (``window_attn_skip_freq``: every N-th
+    layer full, or a per-layer 0/1 list), None elsewhere. Validated here (causal attention: right must be
+    0 or -1), so a bad config fails when the model is built, naming ``window_size``."""
+    from megatron_hsap.sequence.schedule import normalize_window
+
+    if not is_layer_window_attention(config.window_size, config.window_attn_skip_freq, layer_number):
+        return None
+    return normalize_window(tuple(config.window_size), causal=True)
 
 
 _warned_upipe_fallback = False
