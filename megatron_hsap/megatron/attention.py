@@ -61,8 +61,13 @@ class HSAPSelfAttention(SelfAttention):
         super().__init__(*args, **kwargs)
         self.cp_config = cp_config
         check_hsap_attention_config(self.config)
-        #: this layer's sliding window (None = full causal attention), as Megatron configures it
-        self.hsap_window_size = layer_window_size(self.config, self.layer_number)
+        layer_window_size(self.config, self.layer_number)  # a bad window fails when the layer is built
+
+    @property
+    def hsap_window_size(self) -> Optional[Tuple[int, int]]:
+        """This layer's sliding window (None = full causal attention), as Megatron configures it (a property,
+        so layers converted in place by ``convert_model_to_hsap`` have it too)."""
+        return layer_window_size(self.config, self.layer_number)
 
     @property
     def hsap_softmax_scale(self) -> float:
