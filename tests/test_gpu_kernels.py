@@ -37,11 +37,17 @@ TORCH = TorchAttentionKernel()
 
 def dense_mask(blocks: AttentionBlocks, t_q: int, t_k: int) -> torch.Tensor:
     mask = torch.zeros(t_q, t_k, dtype=torch.bool)
-    for qs, qe, ks, ke, causal in blocks:
+    for i, (qs, qe, ks, ke, causal) in enumerate(blocks):
         sq, sk = qe - qs, ke - ks
         block = torch.ones(sq, sk, dtype=torch.bool)
         if causal:
             block = torch.tril(block, diagonal=sk - sq)
+        left, right = blocks.window(i)  # sliding window, bottom-right aligned like causal
+        diagonal = torch.arange(sk)[None, :] - torch.arange(sq)[:, None] - (sk - sq)
+        if left >= 0:
+            block &= diagonal >= -left
+        if right >= 0:
+            block &= diagonal <= right
         mask[qs:qe, ks:ke] |= block
     return mask
 
