@@ -5,7 +5,8 @@ about a shard, larger than every document, and a two-sided window without causal
 document and over packed documents whose windows end at document boundaries, in the zigzag and
 sequence-aware layouts, forward and backward. The measured ring bytes must equal ``plan.stats``
 for the window. The hybrid launch also runs ``head_chunked_attention`` with a window. Bad window
-values must raise the same ValueError on every rank before any collective.
+values must raise the same ValueError on every rank before any collective. In the Megatron layer,
+per-layer windows (``window_size`` + ``window_attn_skip_freq``) must match Megatron's own model.
 """
 
 from __future__ import annotations
@@ -165,3 +166,55 @@ def test_megatron_layer_windows_follow_window_attn_skip_freq():
     assert layer_window_size(config(), 1) is None and layer_window_size(config(window_size=(-1, -1)), 1) is None
     with pytest.raises(ValueError, match=r"window_size=\(4, 4\) has right=4 with causal=True"):
         layer_window_size(config(window_size=(4, 4)), 1)
+
+
+def _megatron_windowed_model_body() -> None:
+    """Megatron's own GPT (local spec: its unfused softmax applies the sliding-window mask) against the
+    HSAP spec on 2 CP ranks, with a window on layer 1 and full attention on layer 2 (window_attn_skip_freq=2)."""
+    import dataclasses
+
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    from megatron_hsap.config import ContextParallelConfig
+    from megatron_hsap.megatron.attention import HSAPPackedSeqParams
+    from megatron_hsap.megatron.cpu_shim import apply_cpu_shim
+    from megatron_hsap.megatron.spec import get_gpt_layer_hsap_spec
+    from megatron_hsap.parallel_state import destroy_model_parallel, get_cp_topology, initialize_model_parallel
+    from megatron_hsap.sequence.plan import plan_batch
+    from tests.test_megatron_integration import SEQ, VOCAB, _tiny_config
+
+    apply_cpu_shim()
+    config = dataclasses.replace(_tiny_config(), window_size=(9, 0), window_attn_skip_freq=2)
+
+    def gpt(spec) -> GPTModel:
+        torch.manual_seed(7)
+        return GPTModel(config=config, transformer_layer_spec=spec, vocab_size=VOCAB, max_sequence_length=SEQ,
+                        position_embedding_type="rope")
+
+    cp_config = ContextParallelConfig(mode="hybrid", ulysses_size=1, kernel="cpu_fused")
+    initialize_model_parallel(context_parallel_size=1, cp_config=cp_config)
+    model_parallel_cuda_manual_seed(1)
+    tokens = torch.randint(0, VOCAB, (1, SEQ), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        expected = gpt(get_gpt_layer_local_spec())(tokens, None, None)  # one document, [1, SEQ, VOCAB]
+    destroy_model_parallel()
+    initialize_model_parallel(context_parallel_size=2, cp_config=cp_config)
+    model_parallel_cuda_manual_seed(1)
+    model = gpt(get_gpt_layer_hsap_spec(cp_config))
+    assert [layer.self_attention.hsap_window_size for layer in model.decoder.layers] == [(9, 0), None]
+    plan = plan_batch(torch.tensor([0, SEQ], dtype=torch.int32), get_cp_topology(), "zigzag")
+    cu = torch.tensor([0, SEQ], dtype=torch.int32)
+    params = HSAPPackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=SEQ,
+                                 max_seqlen_kv=SEQ, plan=plan)
+    with torch.no_grad():
+        local = model(plan.shard(tokens[0]).unsqueeze(0), plan.position_ids.unsqueeze(0), None,
+                      packed_seq_params=params)
+    torch.testing.assert_close(plan.unshard(local[0]), expected[0], rtol=1e-5, atol=1e-5)
+
+
+def test_megatron_model_with_per_layer_windows_matches_megatron():
+    from tests.distributed import run_distributed_fresh
+
+    run_distributed_fresh(_megatron_windowed_model_body, 2, timeout=180)
