@@ -8,7 +8,7 @@ reference (``tests/reference.py``), on whichever rank calls it.
 
 from __future__ import annotations
 
-from typing import List, Tuple
+from typing import List, Optional, Tuple
 
 import torch
 
@@ -40,11 +40,11 @@ def attention_case(plan, h_q: int, h_kv: int, head_dim: int, dtype: torch.dtype,
 
 
 def reference_errors(got: List[torch.Tensor], inputs: List[torch.Tensor], cu_seqlens: torch.Tensor, causal: bool,
-                     relative: bool = False) -> List[float]:
+                     relative: bool = False, window_size: Optional[Tuple[int, int]] = None) -> List[float]:
     """Max |got - reference| (divided by max |reference| when ``relative``) for out, dq, dk, dv."""
     q, k, v, dout = inputs
     ref_in = [x.clone().requires_grad_() for x in (q, k, v)]
-    ref = dense_attention(*ref_in, cu_seqlens, causal=causal)
+    ref = dense_attention(*ref_in, cu_seqlens, causal=causal, window_size=window_size)
     ref.backward(dout)
     expected = [ref.detach()] + [x.grad for x in ref_in]
     return [((a - b).abs().max() / (b.abs().max() if relative else 1.0)).item() for a, b in zip(got, expected)]

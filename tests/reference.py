@@ -36,11 +36,13 @@ def _masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible
 
 
 def document_mask(cu_seqlens: torch.Tensor, total: int, causal: bool,
-                  valid: Optional[torch.Tensor] = None) -> torch.Tensor:
+                  valid: Optional[torch.Tensor] = None,
+                  window_size: Optional[Tuple[int, int]] = None) -> torch.Tensor:
     """``[total, total]`` bool mask of a packed batch: same document (and key <= query if causal).
 
     cu_seqlens: non-decreasing ``[num_docs + 1]`` starting at 0; tokens past its last entry
     and tokens with ``valid`` False belong to no document and attend nothing.
+    window_size ``(left, right)``: query i also needs ``i - left <= key <= i + right`` (-1 = unlimited).
     """
     cu = [int(x) for x in cu_seqlens.tolist()]
     if not cu or cu[0] != 0 or any(b < a for a, b in zip(cu, cu[1:])) or cu[-1] > total:
@@ -53,33 +55,51 @@ def document_mask(cu_seqlens: torch.Tensor, total: int, causal: bool,
     mask = (doc[:, None] == doc[None, :]) & (doc[:, None] >= 0)
     if causal:
         mask &= torch.ones(total, total, dtype=torch.bool).tril()
+    if window_size is not None:
+        mask &= _window_mask(total, total, 0, window_size)
     return mask
+
+
+def _window_mask(t_q: int, t_k: int, offset: int, window_size: Tuple[int, int]) -> torch.Tensor:
+    """``[t_q, t_k]``: True where ``-left <= key - query - offset <= right`` (a side of -1 is unlimited)."""
+    diff = torch.arange(t_k)[None, :] - torch.arange(t_q)[:, None] - offset
+    left, right = window_size
+    return (diff >= -left if left >= 0 else True) & (diff <= right if right >= 0 else True)
 
 
 def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
                     causal: bool = True, softmax_scale: Optional[float] = None,
-                    valid: Optional[torch.Tensor] = None) -> torch.Tensor:
+                    valid: Optional[torch.Tensor] = None,
+                    window_size: Optional[Tuple[int, int]] = None) -> torch.Tensor:
     """Document-masked attention of a *global* packed batch, float64.
 
     q ``[T, h_q, d]``, k/v ``[T, h_kv, d]``: all ranks' tokens in global order.
     valid: optional bool ``[T]``; False tokens (padding) attend nothing and give zero output.
+    window_size: optional sliding window ``(left, right)`` (see ``document_mask``).
     Returns out ``[T, h_q, d]`` float64; differentiable w.r.t. q, k, v.
     """
     if softmax_scale is None:
         softmax_scale = q.shape[-1] ** -0.5
-    mask = document_mask(cu_seqlens, q.shape[0], causal, valid).to(q.device)
+    mask = document_mask(cu_seqlens, q.shape[0], causal, valid, window_size).to(q.device)
     return _masked_attention(q, k, v, mask, softmax_scale)[0]
 
 
-def blocks_mask(blocks: Iterable[Tuple[int, int, int, int, bool]], t_q: int, t_k: int) -> torch.Tensor:
-    """``[t_q, t_k]`` bool mask of (q_start, q_end, k_start, k_end, causal) blocks, causal ones bottom-right aligned."""
+def blocks_mask(blocks: Iterable[tuple], t_q: int, t_k: int) -> torch.Tensor:
+    """``[t_q, t_k]`` bool mask of (q_start, q_end, k_start, k_end, causal[, (left, right)]) blocks, causal ones
+    and windows bottom-right aligned (flash-attn's convention)."""
+    windows = getattr(blocks, "windows", ())  # an AttentionBlocks with sliding windows
+    if windows:
+        blocks = [tuple(block) + (window,) for block, window in zip(blocks, windows)]
     mask = torch.zeros(t_q, t_k, dtype=torch.bool)
-    for qs, qe, ks, ke, causal in blocks:
+    for block in blocks:
+        qs, qe, ks, ke, causal = block[:5]
         rows = torch.arange(qs, qe)[:, None]
         cols = torch.arange(ks, ke)[None, :]
         sub = torch.ones(qe - qs, ke - ks, dtype=torch.bool)
         if causal:  # key b (in block) visible from row a iff b <= a + sk - sq, i.e. col - row <= ke - qe
             sub = (cols - rows) <= (ke - qe)
+        if len(block) > 5:
+            sub = sub & _window_mask(qe - qs, ke - ks, (ke - ks) - (qe - qs), block[5])
         if (mask[qs:qe, ks:ke] & sub).any():
             raise ValueError("blocks overlap: a query row has two blocks covering the same key")
         mask[qs:qe, ks:ke] |= sub
@@ -87,7 +107,7 @@ def blocks_mask(blocks: Iterable[Tuple[int, int, int, int, bool]], t_q: int, t_k
 
 
 def dense_attention_blocks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                           blocks: Iterable[Tuple[int, int, int, int, bool]],
+                           blocks: Iterable[tuple],
                            scale: float) -> Tuple[torch.Tensor, torch.Tensor]:
     """Dense float64 version of the kernel contract: q ``[t_q, h_q, d]``, k/v ``[t_k, h_kv, d]``.
 

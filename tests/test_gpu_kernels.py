@@ -37,11 +37,17 @@ TORCH = TorchAttentionKernel()
 
 def dense_mask(blocks: AttentionBlocks, t_q: int, t_k: int) -> torch.Tensor:
     mask = torch.zeros(t_q, t_k, dtype=torch.bool)
-    for qs, qe, ks, ke, causal in blocks:
+    for i, (qs, qe, ks, ke, causal) in enumerate(blocks):
         sq, sk = qe - qs, ke - ks
         block = torch.ones(sq, sk, dtype=torch.bool)
         if causal:
             block = torch.tril(block, diagonal=sk - sq)
+        left, right = blocks.window(i)  # sliding window, bottom-right aligned like causal
+        diagonal = torch.arange(sk)[None, :] - torch.arange(sq)[:, None] - (sk - sq)
+        if left >= 0:
+            block &= diagonal >= -left
+        if right >= 0:
+            block &= diagonal <= right
         mask[qs:qe, ks:ke] |= block
     return mask
 
@@ -143,7 +149,7 @@ def test_rows_shared_by_two_blocks_need_two_passes():
 
 def test_causal_block_with_more_queries_than_keys_is_trimmed():
     # bottom-right aligned: of 10 query rows over 4 keys only the last 4 see a key
-    assert normalized_blocks(AttentionBlocks.from_list([(0, 10, 20, 24, True)])) == [(6, 10, 20, 24, True)]
+    assert normalized_blocks(AttentionBlocks.from_list([(0, 10, 20, 24, True)])) == [(6, 10, 20, 24, True, (-1, -1))]
     # empty blocks built directly (from_list already drops them) are ignored too
     assert normalized_blocks(AttentionBlocks((3,), (3,), (0,), (4,), (False,))) == []
 
@@ -160,13 +166,23 @@ def test_pass_split_is_minimal_and_complete(seed):
     rng = random.Random(seed)
     blocks = random_blocks(rng, t_q=40, t_k=50, n=12)
     passes = split_into_passes(blocks)
-    got = sorted((qs, qe, ks, ke, p.causal) for p in passes for (qs, qe), (ks, ke) in zip(p.q_segments, p.k_segments))
+    got = sorted((qs, qe, ks, ke, p.causal, p.window) for p in passes
+                 for (qs, qe), (ks, ke) in zip(p.q_segments, p.k_segments))
     assert got == sorted(normalized_blocks(blocks))
     for p in passes:
         assert all(a[1] <= b[0] for a, b in zip(p.q_segments, p.q_segments[1:])), "sorted and disjoint"
     for causal in (True, False):
         expected = max_depth([b for b in normalized_blocks(blocks) if b[4] == causal])
         assert sum(p.causal == causal for p in passes) == expected
+
+
+def test_windowed_blocks_get_passes_of_their_own_window():
+    """Blocks with different sliding windows never share a pass; each pass carries its window."""
+    blocks = AttentionBlocks.from_list([(0, 8, 0, 8, True, (3, -1)), (8, 16, 8, 16, True, (3, -1)),
+                                        (8, 16, 0, 8, False, (4, 2)), (16, 20, 16, 20, True)])
+    passes = split_into_passes(blocks)
+    assert sorted((p.causal, p.window, p.q_segments) for p in passes) == [
+        (False, (4, 2), ((8, 16),)), (True, (-1, -1), ((16, 20),)), (True, (3, -1), ((0, 8), (8, 16)))]
 
 
 # ---------------------------------------------------------------- the device index cache (bounded in bytes)

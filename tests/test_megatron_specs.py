@@ -36,7 +36,7 @@ def _config(**overrides: Any) -> Any:
 
 
 REJECTED = [
-    (dict(window_size=(16, 0)), None, "window_size=\\(16, 0\\).*allowed: None"),
+    (dict(window_size=(16, 4)), None, "window_size=\\(16, 4\\) has right=4 with causal=True; allowed values"),
     (dict(softmax_type="off-by-one"), None, "softmax_type='off-by-one'.*allowed: 'vanilla'"),
     (dict(softmax_type="learnable"), None, "softmax_type='learnable'"),
     (dict(qk_l2_norm=True), None, "qk_l2_norm=True.*allowed: False"),

@@ -27,21 +27,21 @@ def _member_rows(plan, member: int) -> torch.Tensor:
     return torch.cat([plan.global_indices_of(c) for c in topo.ring_member_ranks(member)])
 
 
-def _check_plan(lengths, topo: CPTopology, layout: str, causal: bool) -> None:
+def _check_plan(lengths, topo: CPTopology, layout: str, causal: bool, window_size=None) -> None:
     cu = cu_seqlens_from_lengths(lengths)
     plan = plan_batch(cu, topo, layout)
     total = sum(lengths)
-    reference = document_mask(cu, total, causal)
+    reference = document_mask(cu, total, causal, window_size=window_size)
     rows_needed = {}
     for member in range(topo.ring_size):
-        schedule = plan.member_schedule(causal, member)
+        schedule = plan.member_schedule(causal, member, window_size)
         q_rows = _member_rows(plan, member)
         covered = torch.zeros(len(q_rows), total, dtype=torch.int64)
         local = blocks_mask(schedule.local_blocks, len(q_rows), len(q_rows))
         valid = q_rows >= 0
         covered[:, q_rows[valid]] += local[:, valid].long()
         for recv in schedule.recv_steps:
-            src_schedule = plan.member_schedule(causal, recv.src_member)
+            src_schedule = plan.member_schedule(causal, recv.src_member, window_size)
             send = next(s for s in src_schedule.send_steps if s.dst_member == member)
             assert send.distance == recv.distance and send.rows.num_rows == recv.num_rows
             src_rows = _member_rows(plan, recv.src_member)
@@ -56,13 +56,17 @@ def _check_plan(lengths, topo: CPTopology, layout: str, causal: bool) -> None:
         assert torch.equal(covered, expected), f"member {member}: blocks do not match the document mask"
     # stats: all-to-all bytes (q, k, v in, output back) plus exactly the rows the schedule receives
     h_q, h_kv, d, elem, u = 24, 12, 8, 4, topo.ulysses_size
-    stats = plan.stats(h_q, h_kv, d, torch.float32, causal=causal)
+    stats = plan.stats(h_q, h_kv, d, torch.float32, causal=causal, window_size=window_size)
     a2a = (u - 1) * plan.tokens_per_rank * d * elem * (2 * h_q + 2 * h_kv) // u
     row_bytes = 2 * (h_kv // u) * d * elem
     for c in range(topo.cp_size):
         member = c // u
         ring_rows = sum(n for (src, dst), n in rows_needed.items() if dst == member)
         assert stats.recv_bytes_intra[c] + stats.recv_bytes_inter[c] == a2a + ring_rows * row_bytes
+    # stats: FLOPs follow the mask area of each member's queries (checked for windows, where it is new)
+    for c in range(topo.cp_size if window_size is not None else 0):
+        area = plan.member_schedule(causal, c // topo.ulysses_size, window_size).area
+        assert stats.attn_flops[c] == 4 * area * (h_q // topo.ulysses_size) * d
 
 
 @pytest.mark.parametrize("cp,ulysses,ranks_per_node", [(2, 1, 2), (4, 1, 2), (4, 2, 4), (6, 3, 3), (8, 4, 4),
@@ -131,3 +135,54 @@ def test_zigzag_is_pad_free_with_round_robin_remainders():
     assert plan.global_indices_of(1).tolist() == [2, 3, 5, 6]
     stats = plan.stats(2, 2, 4, torch.float32)
     assert stats.padding_tokens == [0, 0] and stats.tokens == [4, 4]
+
+
+# Sliding windows (flash-attn's (left, right)): smaller than a shard (48 tokens in the hard cases), about
+# one shard, larger than any document; causal ones and a two-sided one for full attention.
+WINDOWS = [((0, 0), True), ((5, -1), True), ((47, 0), True), ((200, -1), True), ((3, 7), False), ((60, -1), False)]
+
+
+@pytest.mark.parametrize("cp,ulysses,ranks_per_node", [(4, 1, 2), (6, 3, 3)])
+@pytest.mark.parametrize("layout", ["zigzag", "sequence-aware"])
+def test_windowed_blocks_cover_the_windowed_document_mask(cp, ulysses, ranks_per_node, layout):
+    """Every member's blocks cover exactly the document mask intersected with the window, the ring moves
+    only key rows inside some query's window, and ``stats`` predicts both (checked in ``_check_plan``)."""
+    topo = CPTopology.offline(cp, ulysses, ranks_per_node)
+    cases = hard_cases(cp)
+    for name in ("single_document", "one_long_many_short", "crosses_all_boundaries"):
+        for window, causal in WINDOWS:
+            _check_plan(cases[name], topo, layout, causal, window)
+
+
+@settings(max_examples=20, deadline=None)
+@given(lengths=st.lists(st.integers(0, 70), min_size=1, max_size=10),
+       shape=st.sampled_from([(2, 1, 1), (4, 2, 2), (4, 1, 2), (8, 2, 4)]), layout=st.sampled_from(LAYOUTS),
+       causal=st.booleans(), left=st.integers(-1, 80), right=st.integers(-1, 80))
+def test_windowed_blocks_property(lengths, shape, layout, causal, left, right):
+    if sum(lengths) == 0:
+        lengths = lengths + [1]
+    window = (left, 0 if causal else right)
+    _check_plan(lengths, CPTopology.offline(*shape), layout, causal, window)
+
+
+def test_window_shrinks_ring_traffic_and_schedules_are_cached_per_window():
+    """One document over a ring of 4: a window of 1/8 of the sequence sends each member only the rows
+    its queries reach; the schedule of each (causal, window) is built once."""
+    topo = CPTopology.offline(4, 1, 2)
+    plan = plan_batch(cu_seqlens_from_lengths([1024]), topo, "zigzag")
+    full, windowed = (plan.stats(8, 8, 64, causal=True, window_size=w) for w in (None, (128, 0)))
+    # a ring without Ulysses: every byte sent is key/value rows
+    assert sum(full.ring_send_bytes) == sum(full.send_bytes_intra) + sum(full.send_bytes_inter)
+    # zigzag chunks of 128 tokens: each query chunk needs at most the chunk before it from a peer
+    assert sum(windowed.ring_send_bytes) < sum(full.ring_send_bytes) / 2
+    assert plan.member_schedule(True, 0, (128, 0)) is plan.member_schedule(True, 0, (128, -1))
+    assert plan.member_schedule(True, 0, (-1, 0)) is plan.member_schedule(True, 0)
+    assert plan.member_schedule(True, 0, (128, 0)) is not plan.member_schedule(True, 0)
+
+
+@pytest.mark.parametrize("window,causal", [((3, 2), True), ((-2, 0), True), ((1.5, 0), True), ((True, 0), True),
+                                           ((1, 2, 3), False), ("64", False), (64, False)])
+def test_bad_windows_name_the_argument(window, causal):
+    plan = plan_batch(cu_seqlens_from_lengths([64]), CPTopology.offline(2, 1, 2), "zigzag")
+    with pytest.raises(ValueError, match=r"window_size=.*allowed values"):
+        plan.member_schedule(causal, 0, window)

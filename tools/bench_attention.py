@@ -5,9 +5,12 @@ For each mode it reports per rank: forward+backward wall and process-CPU time (m
 --repeats; on a shared machine compare CPU times),
 bytes sent intra-/inter-node in one forward+backward, peak tracked live memory,
 and the max error against an independent fp64 reference (per-document SDPA) on a
-small problem. With --compare-deepspeed (where DeepSpeed is installed), its Ulysses ``DistributedAttention``
-wrapping SDPA runs the same problem (a block-diagonal mask for packed batches) and
-the time ratio is printed.
+small problem. With --compare-deepspeed, DeepSpeed-Ulysses over SDPA runs the same problem (a
+block-diagonal causal mask for packed batches) and the time ratio is printed: DeepSpeed's own
+``DistributedAttention`` where DeepSpeed is installed, else the same algorithm written here
+(``_UlyssesAllToAll``: DeepSpeed's all-to-all, SDPA, the all-to-all back; labelled as such).
+--window N runs every mode with a causal sliding window of N tokens, and the ring key/value bytes
+of the plan (``BatchPlan.stats``) are printed with and without it.
 
     python tools/bench_attention.py --ranks 4 --ranks-per-node 2 --seq-len 4096 --docs buckets
 """
@@ -81,8 +84,10 @@ def _bench_mode(args, mode: str, lengths: List[int]) -> Dict[str, float]:
         k = torch.randn(t, args.kv_heads, args.head_dim, generator=gen).to(dtype).requires_grad_()
         v = torch.randn(t, args.kv_heads, args.head_dim, generator=gen).to(dtype).requires_grad_()
 
+        window = (args.window, 0) if args.window else None
+
         def step():
-            context_parallel_attention(q, k, v, plan).float().pow(2).sum().backward()
+            context_parallel_attention(q, k, v, plan, window_size=window).float().pow(2).sum().backward()
 
         seconds, cpu_seconds = _time_fwd_bwd(step, args.repeats)
         with count_comm() as comm, track_peak_memory() as mem:
@@ -109,22 +114,41 @@ def _check_error(topo, args, mode: str) -> float:
     return (out - sdpa_reference(q, k, v, lengths)).abs().max().item()
 
 
-def _bench_deepspeed(args, lengths: List[int]) -> Optional[Tuple[float, float]]:
-    """DeepSpeed Ulysses over SDPA on the same problem (contiguous split, block-diagonal causal mask)."""
-    try:
-        import deepspeed
-        from deepspeed.sequence.layer import DistributedAttention
-    except Exception:  # not installed, or fails to import on this machine
-        return None
-    # DeepSpeed's optional shared-memory all-reduce is compiled on first use (minutes of C++); its
-    # Ulysses layer only uses all-to-all, so skip the build. (``deepspeed.comm.torch`` as an attribute
-    # is the torch package itself, hence sys.modules.)
-    importlib.import_module("deepspeed.comm.torch")
-    sys.modules["deepspeed.comm.torch"].build_shm_op = lambda: None
-    deepspeed.init_distributed(dist_backend="gloo")  # reuses the existing process group
+class _UlyssesAllToAll(torch.autograd.Function):
+    """DeepSpeed's ``_SeqAllToAll`` for one tensor ``[s, b, h, d]``: scatter heads, gather the sequence
+    (``scatter_idx=2, gather_idx=0``), or back; its backward is the inverse all-to-all."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, to_heads: bool) -> torch.Tensor:
+        ctx.to_heads = to_heads
+        return _seq_all_to_all(x, to_heads)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return _seq_all_to_all(grad.contiguous(), not ctx.to_heads), None
+
+
+def _seq_all_to_all(x: torch.Tensor, to_heads: bool) -> torch.Tensor:
+    """``[s, b, h, d]`` -> ``[s * P, b, h / P, d]`` (to_heads) or the inverse, with one all_to_all_single."""
+    world = dist.get_world_size()
+    s, b, h, d = x.shape
+    if to_heads:
+        send = x.reshape(s, b, world, h // world, d).permute(2, 0, 1, 3, 4).contiguous()
+        out = torch.empty_like(send)
+        dist.all_to_all_single(out, send)
+        return out.reshape(world * s, b, h // world, d)
+    send = x.reshape(world, s // world, b, h, d).contiguous()
+    out = torch.empty_like(send)
+    dist.all_to_all_single(out, send)
+    return out.permute(1, 2, 0, 3, 4).reshape(s // world, b, world * h, d)
+
+
+def _bench_deepspeed(args, lengths: List[int]) -> Optional[Tuple[float, float, str]]:
+    """DeepSpeed-Ulysses over SDPA on the same problem (contiguous split, block-diagonal causal mask):
+    (wall s, cpu s, label); None where the problem does not fit it (MHA, divisible sizes, no window)."""
     world, rank = dist.get_world_size(), dist.get_rank()
     total = sum(lengths)
-    if total % world or args.heads % world or args.kv_heads != args.heads:
+    if total % world or args.heads % world or args.kv_heads != args.heads or args.window:
         return None
     doc = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
     mask = (doc[:, None] == doc[None, :]).tril() if len(lengths) > 1 else None
@@ -134,13 +158,48 @@ def _bench_deepspeed(args, lengths: List[int]) -> Optional[Tuple[float, float]]:
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None)
         return out.permute(2, 0, 1, 3)
 
-    attention = DistributedAttention(local_attention, dist.group.WORLD, scatter_idx=2, gather_idx=0)
+    try:
+        import deepspeed
+        from deepspeed.sequence.layer import DistributedAttention
+    except Exception:  # not installed, or fails to import here: the same algorithm, written above
+        label = "DeepSpeed-Ulysses algorithm (built-in: all-to-all, SDPA, all-to-all)"
+
+        def attention(q, k, v, batch_dim):
+            heads = [_UlyssesAllToAll.apply(x, True) for x in (q, k, v)]
+            return _UlyssesAllToAll.apply(local_attention(*heads), False)
+    else:
+        label = "DeepSpeed Ulysses DistributedAttention"
+        # DeepSpeed's optional shared-memory all-reduce is compiled on first use (minutes of C++); its
+        # Ulysses layer only uses all-to-all, so skip the build. (``deepspeed.comm.torch`` as an attribute
+        # is the torch package itself, hence sys.modules.)
+        importlib.import_module("deepspeed.comm.torch")
+        sys.modules["deepspeed.comm.torch"].build_shm_op = lambda: None
+        deepspeed.init_distributed(dist_backend="gloo")  # reuses the existing process group
+        attention = DistributedAttention(local_attention, dist.group.WORLD, scatter_idx=2, gather_idx=0)
     dtype = DTYPES[args.dtype]
     gen = torch.Generator().manual_seed(rank)
     s = total // world
     q, k, v = (torch.randn(s, 1, args.heads, args.head_dim, generator=gen).to(dtype).requires_grad_()
                for _ in range(3))
-    return _time_fwd_bwd(lambda: attention(q, k, v, 1).float().pow(2).sum().backward(), args.repeats)
+    wall, cpu = _time_fwd_bwd(lambda: attention(q, k, v, 1).float().pow(2).sum().backward(), args.repeats)
+    return wall, cpu, label
+
+
+def _ring_bytes(args, lengths: List[int]) -> None:
+    """Print the ring's key/value bytes of one forward (``PlanStats.ring_send_bytes``, all ranks) without and
+    with a causal window (--window, default 1/8 of the sequence), per mode."""
+    from megatron_hsap.parallel_state import CPTopology
+
+    window = args.window or args.seq_len // 8
+    dtype = DTYPES[args.dtype]
+    print(f"ring K/V bytes of one forward, all ranks (BatchPlan.stats, layout {args.layout}):")
+    for mode in args.modes:
+        ulysses = {"ring": 1, "ulysses": args.ranks}.get(mode, args.ulysses_size or args.ranks_per_node)
+        plan = plan_batch(cu_seqlens_from_lengths(lengths), CPTopology.offline(args.ranks, ulysses, args.ranks_per_node),
+                          args.layout)
+        full, windowed = (sum(plan.stats(args.heads, args.kv_heads, args.head_dim, dtype, window_size=w).ring_send_bytes)
+                          / 2**20 for w in (None, (window, 0)))
+        print(f"  {mode:8} no window {full:9.2f} MB   window {window:>6}: {windowed:9.2f} MB")
 
 
 def _worker(rank: int, args, port: int, queue) -> None:
@@ -174,7 +233,9 @@ def main(argv: Optional[List[str]] = None) -> None:
     parser.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--compare-deepspeed", action="store_true",
-                        help="also time DeepSpeed's Ulysses DistributedAttention wrapping SDPA")
+                        help="also time DeepSpeed-Ulysses wrapping SDPA (DeepSpeed's own where installed)")
+    parser.add_argument("--window", type=int, default=0,
+                        help="causal sliding window of this many tokens (0: none); ring bytes are printed either way")
     args = parser.parse_args(argv)
     args.modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     for mode in args.modes:
@@ -204,7 +265,8 @@ def main(argv: Optional[List[str]] = None) -> None:
     lengths = doc_lengths_for(args.docs, args.seq_len, args.seed)
     print(f"# {args.ranks} ranks ({args.ranks_per_node} per node), seq {args.seq_len} ({len(lengths)} docs, "
           f"{args.docs}), heads {args.heads}/{args.kv_heads} x {args.head_dim}, {args.dtype}, layout {args.layout}, "
-          f"{args.threads} thread(s)/rank, kernel {get_kernel(args.kernel).name}, median of {args.repeats}")
+          f"{args.threads} thread(s)/rank, kernel {get_kernel(args.kernel).name}, median of {args.repeats}"
+          + (f", causal window {args.window}" if args.window else ""))
     print(f"{'mode':8} {'rank':>4} {'U':>2} {'fwd+bwd s':>10} {'cpu s':>7} {'intra MB':>9} {'inter MB':>9} "
           f"{'peak MB':>8} {'pad':>5} {'max err':>9}")
     for mode in args.modes:
@@ -216,14 +278,15 @@ def main(argv: Optional[List[str]] = None) -> None:
     ds_times = [ds for _, _, ds in rows]
     if all(t is not None for t in ds_times):
         ds_wall, ds_cpu = (max(t[i] for t in ds_times) for i in (0, 1))
-        print(f"DeepSpeed Ulysses (SDPA{', block-diagonal mask' if len(lengths) > 1 else ''}): "
+        print(f"{ds_times[0][2]} (SDPA{', block-diagonal mask' if len(lengths) > 1 else ''}): "
               f"{ds_wall:.3f} s, cpu {ds_cpu:.3f} s (slowest rank)")
         for mode in args.modes:
             wall, cpu = (max(results[mode][key] for _, results, _ in rows) for key in ("time_s", "cpu_s"))
-            print(f"time ratio {mode} / DeepSpeed Ulysses: {wall / ds_wall:.2f} (cpu time {cpu / ds_cpu:.2f})")
+            print(f"time ratio {mode} / DeepSpeed-Ulysses: {wall / ds_wall:.2f} (cpu time {cpu / ds_cpu:.2f})")
     else:
-        print("DeepSpeed comparison not run (needs --compare-deepspeed, deepspeed installed, "
-              "MHA and heads/tokens divisible by the ranks)")
+        print("DeepSpeed-Ulysses comparison not run (needs --compare-deepspeed, MHA, heads/tokens divisible by the "
+              "ranks, no --window)")
+    _ring_bytes(args, lengths)
 
 
 if __name__ == "__main__":

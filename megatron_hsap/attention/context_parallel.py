@@ -31,7 +31,7 @@ from megatron_hsap.head_split import HeadSplit, Run, split_heads
 from megatron_hsap.kernels import AttentionKernel, get_kernel
 from megatron_hsap.parallel_state import CPTopology, cp_topology_is_initialized, get_cp_topology
 from megatron_hsap.sequence.plan import BatchPlan
-from megatron_hsap.sequence.schedule import MemberSchedule
+from megatron_hsap.sequence.schedule import MemberSchedule, normalize_window
 
 __all__ = ["context_parallel_attention", "check_attention_inputs", "check_device_matches_backend"]
 
@@ -216,28 +216,34 @@ def _fail_with_peers(error: ValueError) -> None:
 
 
 def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: BatchPlan, *,
-                               causal: bool = True, softmax_scale: Optional[float] = None) -> torch.Tensor:
+                               causal: bool = True, softmax_scale: Optional[float] = None,
+                               window_size: Optional[Tuple[int, int]] = None) -> torch.Tensor:
     """Exact attention of a packed batch spread over the CP group.
 
     q ``[t_local, h_q, d]``, k/v ``[t_local, h_kv, d]``: this rank's tokens (as laid out by
     ``plan``; ``t_local = plan.tokens_per_rank``) of all heads this TP rank owns.
     Attention is causal (or full, ``causal=False``) inside each document and never
     crosses documents; padding slots produce zero output and zero gradient.
+    window_size ``(left, right)``: sliding-window attention in flash-attn's convention (a query at
+    in-document position i sees keys in ``[i - left, i + right]``; -1 = unlimited; None or (-1, -1) =
+    no window; with causal=True right is 0 or -1); ring exchanges carry only the rows in the window.
     Returns ``[t_local, h_q, d]`` in q's dtype.
     Bad or mismatched input raises the same ValueError on every CP rank before any collective.
     """
     if not isinstance(plan, BatchPlan):
         _fail_with_peers(ValueError(f"plan must be a BatchPlan from plan_batch(...), got {type(plan).__name__}"))
     topo = plan.topology
-    error, heads = None, None
+    error, heads, window = None, None, None
     try:
+        window = normalize_window(window_size, bool(causal))
         heads = check_attention_inputs(q, k, v, plan)
     except ValueError as err:
         error = err
     if topo.is_offline:
         _fail_with_peers(error)
     fields = {"cu_seqlens": plan.doc_lengths, "layout": plan.layout, "topology": topo.signature(),
-              "causal": bool(causal), "softmax_scale": softmax_scale, "kernel": topo.config.kernel}
+              "causal": bool(causal), "softmax_scale": softmax_scale, "kernel": topo.config.kernel,
+              "window_size": window}
     if error is None:
         fields.update(q_shape=tuple(q.shape[1:]), kv_shape=tuple(k.shape[1:]), dtype=str(q.dtype),
                       tokens_per_rank=q.shape[0])
@@ -245,5 +251,5 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     agree_across_cp_ranks(topo, fields, error, device, plan.verified_signatures)
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[2])
     kernel = get_kernel(topo.config.kernel)
-    schedule = plan.member_schedule(causal)
+    schedule = plan.member_schedule(causal, window_size=window)
     return _ContextParallelAttention.apply(q, k, v, schedule, topo, kernel, scale, heads)

@@ -39,6 +39,7 @@ from megatron_hsap.collectives import all_to_all_member
 from megatron_hsap.instrumentation.comm import CommStats, comm_stats
 from megatron_hsap.kernels import get_kernel
 from megatron_hsap.sequence.plan import BatchPlan
+from megatron_hsap.sequence.schedule import Window, normalize_window
 
 __all__ = ["head_chunked_attention", "resolve_head_schedule", "predicted_stage_comm", "rope_angles"]
 
@@ -110,7 +111,8 @@ def resolve_head_schedule(plan: BatchPlan, num_heads_q: int, num_heads_kv: int,
 
 
 def predicted_stage_comm(schedule: HeadSchedule, plan: BatchPlan, head_dim: int, dtype: torch.dtype,
-                         causal: bool = True) -> List[Tuple[Dict[Tuple[str, str], int], Dict[Tuple[str, str], int]]]:
+                         causal: bool = True, window_size: Optional[Tuple[int, int]] = None
+                         ) -> List[Tuple[Dict[Tuple[str, str], int], Dict[Tuple[str, str], int]]]:
     """Bytes this CP rank sends in each stage: ``[(forward, backward)]``, each ``{(op, 'intra'|'inter'): bytes}``.
 
     All-to-alls: t_local x (heads) x d per peer of the Ulysses group (forward: the peer's q + new
@@ -123,7 +125,7 @@ def predicted_stage_comm(schedule: HeadSchedule, plan: BatchPlan, head_dim: int,
     me, u = topo.cp_rank, topo.ulysses_rank
     elem = torch.empty((), dtype=dtype).element_size()
     t = plan.tokens_per_rank
-    member = plan.member_schedule(causal)
+    member = plan.member_schedule(causal, window_size=window_size)
     peers = [c for c in topo.ring_member_ranks(topo.ring_rank) if c != me]
 
     def where(peer: int) -> str:
@@ -219,11 +221,11 @@ class _Stages:
 
     def __init__(self, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], plan: BatchPlan,
                  schedule: HeadSchedule, head_dim: int, rope: Optional[_Rope], causal: bool, scale: float,
-                 backward: bool) -> None:
+                 backward: bool, window: Window = None) -> None:
         self.x, self.weight, self.bias = x, weight, bias  # x [t_local, hidden]
         self.topo, self.schedule = plan.topology, schedule
         self.d, self.rope, self.scale = head_dim, rope, scale
-        self.member = plan.member_schedule(causal)
+        self.member = plan.member_schedule(causal, window_size=window)
         self.kernel = get_kernel(self.topo.config.kernel)
         self.rank = self.topo.ulysses_rank
         self.plan = _rank_plan(schedule, self.rank, head_dim)
@@ -450,16 +452,17 @@ class _HeadChunkedAttention(torch.autograd.Function):
     def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], plan: BatchPlan,
                 schedule: HeadSchedule, head_dim: int, angles: Optional[torch.Tensor], interleaved: bool,
                 causal: bool, scale: float, sp_group: Optional[dist.ProcessGroup],
-                log: Optional[CommLog]) -> torch.Tensor:
+                log: Optional[CommLog], window: Window) -> torch.Tensor:
         full = _gather_sequence_shards(hidden, sp_group)
         rope = None if angles is None else _Rope(angles, hidden.dtype, interleaved)
-        st = _Stages(full[:, 0], weight, bias, plan, schedule, head_dim, rope, causal, scale, backward=False)
+        st = _Stages(full[:, 0], weight, bias, plan, schedule, head_dim, rope, causal, scale, backward=False,
+                     window=window)
         del full
         output, lses = _forward(st, schedule.num_heads_q, log)
         del st
         ctx.save_for_backward(hidden, weight, bias, output)
         ctx.lses = lses
-        ctx.args = (plan, schedule, head_dim, angles, interleaved, causal, scale, sp_group, log)
+        ctx.args = (plan, schedule, head_dim, angles, interleaved, causal, scale, sp_group, log, window)
         return output.view(output.shape[0], 1, -1)
 
     @staticmethod
@@ -468,10 +471,11 @@ class _HeadChunkedAttention(torch.autograd.Function):
         Megatron's gradient-accumulation-fusion contract (``grad_added_to_main_grad`` set, a dummy gradient
         returned so DDP's hook does not add it again; None without that attribute); else returned."""
         hidden, weight, bias, output = ctx.saved_tensors
-        plan, schedule, head_dim, angles, interleaved, causal, scale, sp_group, log = ctx.args
+        plan, schedule, head_dim, angles, interleaved, causal, scale, sp_group, log, window = ctx.args
         rope = None if angles is None else _Rope(angles, hidden.dtype, interleaved)
         full = _gather_sequence_shards(hidden, sp_group)
-        st = _Stages(full[:, 0], weight, bias, plan, schedule, head_dim, rope, causal, scale, backward=True)
+        st = _Stages(full[:, 0], weight, bias, plan, schedule, head_dim, rope, causal, scale, backward=True,
+                     window=window)
         del full
         grad = grad.reshape(output.shape).to(output.dtype)
         main_grad = _main_grad_target(weight) if ctx.needs_input_grad[1] else None
@@ -490,7 +494,7 @@ class _HeadChunkedAttention(torch.autograd.Function):
             dx_full, dx = dx, dx.new_empty(hidden.shape[0], dx.shape[1])
             dist.reduce_scatter_tensor(dx, dx_full, group=sp_group)
             del dx_full
-        return dx.unsqueeze(1), dweight, dbias, None, None, None, None, None, None, None, None, None
+        return dx.unsqueeze(1), dweight, dbias, None, None, None, None, None, None, None, None, None, None
 
 
 def _check_tensor(name: str, t: object, layout: str, dims: int) -> torch.Tensor:
@@ -548,7 +552,8 @@ def head_chunked_attention(hidden: torch.Tensor, qkv_weight: torch.Tensor, qkv_b
                            causal: bool = True, softmax_scale: Optional[float] = None,
                            head_chunk_size: Optional[int] = None, comm_log: Optional[CommLog] = None,
                            rotary_interleaved: bool = False,
-                           sequence_parallel_group: Optional[dist.ProcessGroup] = None) -> torch.Tensor:
+                           sequence_parallel_group: Optional[dist.ProcessGroup] = None,
+                           window_size: Optional[Tuple[int, int]] = None) -> torch.Tensor:
     """QKV projection + rotary embeddings + context-parallel attention, U query heads at a time.
 
     hidden ``[s_local, 1, hidden]``: this rank's tokens of the packed stream as laid out by
@@ -570,13 +575,15 @@ def head_chunked_attention(hidden: torch.Tensor, qkv_weight: torch.Tensor, qkv_b
     num_heads_q, or num_heads_q; each rank attends ceil(U / P) heads per stage, the last stage
     may hold fewer); None = the topology config's default (``hsap``: P; other modes: all heads,
     i.e. plain Ulysses). comm_log: a list that receives
-    ``(direction, stage, CommStats)`` per stage. Returns ``[s_local, 1, H * d]`` in the original
+    ``(direction, stage, CommStats)`` per stage. window_size: sliding window as in
+    ``context_parallel_attention``. Returns ``[s_local, 1, H * d]`` in the original
     head order (the input of ``linear_proj``). Everything is validated before any collective.
     """
     if not isinstance(plan, BatchPlan):
         raise ValueError(f"plan must be a BatchPlan from plan_batch(...), got {type(plan).__name__}")
     if not isinstance(head_dim, int) or head_dim < 1:
         raise ValueError(f"head_dim={head_dim!r} must be a positive int")
+    window = normalize_window(window_size, bool(causal))
     schedule = resolve_head_schedule(plan, num_heads_q, num_heads_kv, head_chunk_size)
     sp_group = sequence_parallel_group
     if sp_group is not None and dist.get_world_size(sp_group) == 1:
@@ -591,4 +598,4 @@ def head_chunked_attention(hidden: torch.Tensor, qkv_weight: torch.Tensor, qkv_b
         angles = None
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
     return _HeadChunkedAttention.apply(hidden, qkv_weight, qkv_bias, plan, schedule, head_dim, angles,
-                                       bool(rotary_interleaved), bool(causal), scale, sp_group, comm_log)
+                                       bool(rotary_interleaved), bool(causal), scale, sp_group, comm_log, window)

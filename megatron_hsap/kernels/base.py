@@ -26,6 +26,11 @@ class AttentionBlocks:
     Several blocks may share query rows (their contributions are merged with the
     log-sum-exp); for one query row the key ranges of its blocks must not overlap.
     Query rows covered by no block get output 0 and LSE -inf.
+    ``windows`` (empty = none) adds a sliding-window band per block in flash-attn's bottom-right
+    convention: with window ``(left, right)`` query row ``a`` sees key ``b`` only if
+    ``a + sk - sq - left <= b <= a + sk - sq + right`` (-1 = no bound on that side), on top of
+    the causal rule. The schedule emits windowed blocks trimmed to the rows and keys the band
+    reaches, so every row of such a block sees at least one key.
     All entries are Python ints so the structure is cheap to build, hash and cache.
     """
 
@@ -34,38 +39,84 @@ class AttentionBlocks:
     k_starts: Tuple[int, ...] = ()
     k_ends: Tuple[int, ...] = ()
     causal: Tuple[bool, ...] = ()
+    windows: Tuple[Tuple[int, int], ...] = ()
 
     def __post_init__(self) -> None:
         n = len(self.q_starts)
         if not (len(self.q_ends) == len(self.k_starts) == len(self.k_ends) == len(self.causal) == n):
             raise ValueError("AttentionBlocks fields must all have the same length")
+        if self.windows and len(self.windows) != n:
+            raise ValueError("AttentionBlocks.windows must be empty or have one (left, right) per block")
 
     def __len__(self) -> int:
         return len(self.q_starts)
 
     @staticmethod
-    def from_list(blocks: Sequence[Tuple[int, int, int, int, bool]]) -> "AttentionBlocks":
-        """Build from ``(q_start, q_end, k_start, k_end, causal)`` tuples; empty blocks are dropped."""
+    def from_list(blocks: Sequence[tuple]) -> "AttentionBlocks":
+        """Build from ``(q_start, q_end, k_start, k_end, causal)`` tuples, optionally with a sixth entry
+        ``(left, right)`` (the block's window, see the class doc); empty blocks are dropped."""
         kept = [b for b in blocks if b[1] > b[0] and b[3] > b[2]]
         if not kept:
             return AttentionBlocks()
-        qs, qe, ks, ke, c = zip(*kept)
-        return AttentionBlocks(tuple(qs), tuple(qe), tuple(ks), tuple(ke), tuple(bool(x) for x in c))
+        windows = tuple(tuple(b[5]) if len(b) > 5 else UNBOUNDED for b in kept)
+        qs, qe, ks, ke, c = zip(*(b[:5] for b in kept))
+        return AttentionBlocks(tuple(qs), tuple(qe), tuple(ks), tuple(ke), tuple(bool(x) for x in c),
+                               windows if any(w != UNBOUNDED for w in windows) else ())
 
     def __iter__(self):
         return iter(zip(self.q_starts, self.q_ends, self.k_starts, self.k_ends, self.causal))
 
+    def window(self, i: int) -> Tuple[int, int]:
+        """Block ``i``'s window ``(left, right)``; ``(-1, -1)`` when it has none."""
+        return self.windows[i] if self.windows else UNBOUNDED
+
+    def bands(self):
+        """Per block ``(q_start, q_end, k_start, k_end, lo, hi)``: key ``j`` is visible from query row ``i``
+        (buffer indices) iff ``lo <= j - i <= hi``; None = no bound."""
+        for i, (qs, qe, ks, ke, causal) in enumerate(self):
+            yield (qs, qe, ks, ke) + diagonal_bounds(qe, ke, causal, self.window(i))
+
     def area(self) -> int:
         """Number of (query, key) pairs that are attended: the mask area FLOPs follow."""
+        return sum(band_area(qs, qe, ks, ke, lo, hi) for qs, qe, ks, ke, lo, hi in self.bands())
+
+
+#: The window of a block without one.
+UNBOUNDED = (-1, -1)
+
+
+def diagonal_bounds(q_end: int, k_end: int, causal: bool,
+                    window: Tuple[int, int] = UNBOUNDED) -> Tuple[Optional[int], Optional[int]]:
+    """Bounds ``(lo, hi)`` on ``key - query`` (buffer indices, None = unbounded) of a bottom-right-aligned
+    block ending at ``q_end`` / ``k_end`` with this causal flag and window (see ``AttentionBlocks``)."""
+    offset = k_end - q_end
+    left, right = window
+    lo = offset - left if left >= 0 else None
+    hi = offset + right if right >= 0 else None
+    if causal:
+        hi = offset if hi is None else min(hi, offset)
+    return lo, hi
+
+
+def band_area(qs: int, qe: int, ks: int, ke: int, lo: Optional[int], hi: Optional[int]) -> int:
+    """Pairs (i, j) in ``[qs, qe) x [ks, ke)`` with ``lo <= j - i <= hi`` (None = unbounded), in O(1)."""
+    def below(bound: Optional[int]) -> int:  # pairs with j - i <= bound
+        if bound is None:
+            return max(0, qe - qs) * max(0, ke - ks)
+        # row i sees keys [ks, min(ke, i + bound + 1)): sum over rows of a clipped linear function
         total = 0
-        for qs, qe, ks, ke, causal in self:
-            sq, sk = qe - qs, ke - ks
-            if not causal:
-                total += sq * sk
-            else:  # bottom-right aligned: the last row sees all sk keys, each row above one fewer
-                first = sk - sq + 1
-                total += (first + sk) * sq // 2 if first >= 1 else sk * (sk + 1) // 2
+        first_full = max(qs, ke - bound - 1)  # rows from here see all keys
+        if first_full < qe:
+            total += (qe - first_full) * (ke - ks)
+        top = max(qs, ks - bound)  # rows before this see none
+        end = min(qe, first_full)
+        if end > top:  # rows [top, end) see i + bound + 1 - ks keys: an arithmetic series
+            n = end - top
+            total += n * (top + bound + 1 - ks) + n * (n - 1) // 2
         return total
+    if lo is None:
+        return below(hi)
+    return max(0, below(hi) - below(lo - 1))
 
 
 class AttentionKernel(Protocol):

@@ -15,9 +15,12 @@ Mapping blocks onto the operator (the schedule is built once per ``AttentionBloc
 - its ``is_causal`` is top-left aligned, which equals this package's bottom-right alignment only
   for square blocks. A causal block with ``sq < sk`` becomes a full piece over its first
   ``sk - sq`` keys plus a square causal piece over the last ``sq``; with ``sq > sk`` its first
-  ``sq - sk`` rows see no key and the last ``sk`` rows form a square causal piece. Pieces over
-  the same rows are merged with the LSE, exactly like ring steps; no mask tensor is ever built,
-  so the operator skips hidden tiles itself.
+  ``sq - sk`` rows see no key and the last ``sk`` rows form a square causal piece. A sliding-window
+  band (``AttentionBlocks.windows``) is cut into row chunks as tall as the band is wide; each chunk
+  is a causal piece on its upper edge and, on its lower edge, a causal square computed on the rows
+  and keys in reverse order (an index copy of O(rows) against the O(rows^2) work of the piece).
+  Pieces over the same rows are merged with the LSE, exactly like ring steps; no mask tensor is
+  ever built, so the operator skips hidden tiles itself.
 - pieces of equal shape (a packed batch of equal-length documents, zigzag chunks) are stacked
   along the operator's batch dimension, so thousands of short documents cost a handful of calls
   (one per distinct shape), not one call each. Pieces stacked together have disjoint query rows,
@@ -60,11 +63,13 @@ def _operators():
 class _Batch:
     """One operator call: pieces ``q[qs:qs+sq]`` x ``k[ks:ks+sk]`` for each (qs, ks), stacked on dim 0.
 
-    ``q_rows``/``k_rows`` index the stacked rows (a slice for a single piece); ``fresh`` is True
-    when no earlier batch of the schedule wrote these query rows, so results are stored, not merged.
+    ``q_rows``/``k_rows`` index the stacked rows (a slice for a single unflipped piece); ``flip`` pieces
+    are given to the operator in reverse row order (see ``_pieces``); ``fresh`` is True when no earlier
+    batch of the schedule wrote these query rows, so results are stored, not merged.
     """
 
     causal: bool
+    flip: bool
     sq: int
     sk: int
     count: int
@@ -73,37 +78,70 @@ class _Batch:
     fresh: bool
 
 
-def _pieces(blocks: AttentionBlocks) -> List[Tuple[int, int, int, int, bool]]:
-    """Blocks as ``(q_start, k_start, sq, sk, causal)`` pieces whose causal ones are square (see module doc)."""
-    pieces = []
-    for qs, qe, ks, ke, causal in blocks:
-        sq, sk = qe - qs, ke - ks
-        if sq <= 0 or sk <= 0:
-            continue
-        if not causal:
-            pieces.append((qs, ks, sq, sk, False))
-        elif sq <= sk:
-            if sk > sq:
-                pieces.append((qs, ks, sq, sk - sq, False))
-            pieces.append((qs, ke - sq, sq, sq, True))
-        else:  # the first sq - sk rows see no key
-            pieces.append((qe - sk, ks, sk, sk, True))
+FULL, CAUSAL, FLIPPED = 0, 1, 2  # piece kinds: no mask, square causal, square causal on reversed rows
+Piece = Tuple[int, int, int, int, int]  # (q_start, k_start, sq, sk, kind)
+
+
+def _upper(r0: int, r1: int, c0: int, c1: int, hi: int) -> List[Piece]:
+    """Pieces of rows [r0, r1) x keys [c0, c1) where key j is visible from row i iff j - i <= hi."""
+    r0, c1 = max(r0, c0 - hi), min(c1, r1 + hi)  # drop rows that see no key and keys no row sees
+    if r0 >= r1 or c0 >= c1:
+        return []
+    split = min(r1, max(r0, c1 - hi))  # rows from here see every key
+    pieces = [(split, c0, r1 - split, c1 - c0, FULL)] if split < r1 else []
+    if split > r0:  # rows [r0, split) x keys [c0, split + hi): bottom-right causal, at least as wide as tall
+        sq, ke = split - r0, split + hi
+        if ke - c0 > sq:
+            pieces.append((r0, c0, sq, ke - c0 - sq, FULL))
+        pieces.append((r0, ke - sq, sq, sq, CAUSAL))
     return pieces
 
 
-def _rows(starts: List[int], length: int) -> Rows:
-    """The rows of pieces starting at ``starts`` (each ``length`` long), stacked in order."""
-    if len(starts) == 1:
+def _lower(r0: int, r1: int, c0: int, c1: int, lo: int) -> List[Piece]:
+    """Pieces of rows [r0, r1) x keys [c0, c1) where key j is visible from row i iff j - i >= lo: the
+    ``_upper`` pieces of the mirrored region (i -> -i, j -> -j), whose causal squares run on reversed rows."""
+    return [(1 - qs - sq, 1 - ks - sk, sq, sk, FLIPPED if kind == CAUSAL else kind)
+            for qs, ks, sq, sk, kind in _upper(1 - r1, 1 - r0, 1 - c1, 1 - c0, -lo)]
+
+
+def _pieces(blocks: AttentionBlocks) -> List[Piece]:
+    """Blocks as pieces the operator computes: full, square causal (its top-left alignment) or square causal
+    on reversed rows (a band's lower edge). A causal block becomes a full piece over the keys every row
+    sees plus a causal square; a windowed band is cut into row chunks as tall as the band is wide, each a
+    lower-edge square (reversed) and an upper-edge causal block, so no piece needs a mask tensor."""
+    pieces: List[Piece] = []
+    for qs, qe, ks, ke, lo, hi in blocks.bands():
+        if qe <= qs or ke <= ks:
+            continue
+        if lo is None and hi is None:
+            pieces.append((qs, ks, qe - qs, ke - ks, FULL))
+        elif lo is None:
+            pieces += _upper(qs, qe, ks, ke, hi)
+        elif hi is None:
+            pieces += _lower(qs, qe, ks, ke, lo)
+        else:
+            chunk = max(1, hi - lo + 1)
+            for a0 in range(qs, qe, chunk):
+                a1 = min(qe, a0 + chunk)
+                edge = min(ke, max(ks, a1 - 1 + lo))  # keys below it: lower edge; from it on: upper edge
+                pieces += _lower(a0, a1, ks, edge, lo) + _upper(a0, a1, edge, ke, hi)
+    return pieces
+
+
+def _rows(starts: List[int], length: int, flip: bool = False) -> Rows:
+    """The rows of pieces starting at ``starts`` (each ``length`` long, reversed if ``flip``), stacked in order."""
+    if len(starts) == 1 and not flip:
         return slice(starts[0], starts[0] + length)
-    return (torch.tensor(starts, dtype=torch.int64)[:, None] + torch.arange(length)).reshape(-1)
+    steps = torch.arange(length - 1, -1, -1) if flip else torch.arange(length)
+    return (torch.tensor(starts, dtype=torch.int64)[:, None] + steps).reshape(-1)
 
 
 def _build_schedule(blocks: AttentionBlocks) -> List[_Batch]:
-    """Group pieces by (causal, sq, sk) into batches with pairwise disjoint query rows."""
-    groups: Dict[Tuple[bool, int, int], List[List[Tuple[int, int]]]] = {}
-    sorted_starts: Dict[Tuple[bool, int, int], List[List[int]]] = {}
-    for qs, ks, sq, sk, causal in _pieces(blocks):
-        key = (causal, sq, sk)
+    """Group pieces by (kind, sq, sk) into batches with pairwise disjoint query rows."""
+    groups: Dict[Tuple[int, int, int], List[List[Tuple[int, int]]]] = {}
+    sorted_starts: Dict[Tuple[int, int, int], List[List[int]]] = {}
+    for qs, ks, sq, sk, kind in _pieces(blocks):
+        key = (kind, sq, sk)
         batches, starts = groups.setdefault(key, []), sorted_starts.setdefault(key, [])
         for members, taken in zip(batches, starts):  # first batch whose pieces do not overlap q[qs:qs+sq]
             i = bisect.bisect_left(taken, qs)
@@ -116,12 +154,14 @@ def _build_schedule(blocks: AttentionBlocks) -> List[_Batch]:
             starts.append([qs])
     schedule = []
     written = torch.zeros(max(blocks.q_ends, default=0), dtype=torch.bool)  # query rows of earlier batches
-    for (causal, sq, sk), batches in groups.items():
+    for (kind, sq, sk), batches in groups.items():
+        flip = kind == FLIPPED
         for members in batches:
-            q_rows = _rows([qs for qs, _ in members], sq)
+            q_rows = _rows([qs for qs, _ in members], sq, flip)
             fresh = not bool(written[q_rows].any())
             written[q_rows] = True
-            schedule.append(_Batch(causal, sq, sk, len(members), q_rows, _rows([ks for _, ks in members], sk), fresh))
+            schedule.append(_Batch(kind != FULL, flip, sq, sk, len(members), q_rows,
+                                   _rows([ks for _, ks in members], sk, flip), fresh))
     return schedule
 
 

@@ -21,6 +21,8 @@ in place by every release), so all of these work. A release below 2.6.0 or from
 3 on, or one with a parameter not reviewed here, raises a RuntimeError naming it
 when the kernel is built (``gpu_common.accepted_keywords``); the transcribed
 signatures the tests check against are ``tests/library_signatures.py``.
+Sliding windows: each pass's ``window_size`` (flash-attn's bottom-right convention since
+2.3, the same as ``AttentionBlocks.windows``) goes to the forward and the backward.
 Blocks are turned into varlen passes by ``gpu_common.VarlenPassKernel``.
 """
 
@@ -38,8 +40,8 @@ MAX_VERSION_EXCLUSIVE = (3, 0, 0)
 NEWEST_VERIFIED = (2, 8, 3)  # the newest release whose signatures were read (tests/library_signatures.py)
 
 FWD_PASSED = ("q", "k", "v", "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k", "dropout_p",
-              "softmax_scale", "causal", "return_attn_probs")
-FWD_DEFAULTS_OK = ("window_size", "softcap", "alibi_slopes", "deterministic", "block_table")
+              "softmax_scale", "causal", "window_size", "return_attn_probs")
+FWD_DEFAULTS_OK = ("softcap", "alibi_slopes", "deterministic", "block_table")
 BWD_PASSED = ("dout", "q", "k", "v", "out", "softmax_lse", "dq", "dk", "dv", "cu_seqlens_q", "cu_seqlens_k",
               "max_seqlen_q", "max_seqlen_k", "dropout_p", "softmax_scale", "causal", "window_size",
               "window_size_left", "window_size_right", "softcap", "alibi_slopes", "deterministic", "rng_state")
@@ -84,7 +86,7 @@ class FlashAttentionKernel(VarlenPassKernel):
         cu_q, cu_k = p.device_cu_seqlens(q.device)
         values = dict(q=q, k=k, v=v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=p.max_seqlen_q,
                       max_seqlen_k=p.max_seqlen_k, dropout_p=0.0, softmax_scale=softmax_scale, causal=p.causal,
-                      return_attn_probs=True)
+                      window_size=p.window, return_attn_probs=True)
         with torch.no_grad():
             out, lse, _ = self._varlen_func(**{n: values[n] for n in self._fwd_keywords})
         if lse.dim() != 2:
@@ -99,7 +101,7 @@ class FlashAttentionKernel(VarlenPassKernel):
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         values = dict(dout=dout, q=q, k=k, v=v, out=out, softmax_lse=lse, dq=dq, dk=dk, dv=dv, cu_seqlens_q=cu_q,
                       cu_seqlens_k=cu_k, max_seqlen_q=p.max_seqlen_q, max_seqlen_k=p.max_seqlen_k, dropout_p=0.0,
-                      softmax_scale=softmax_scale, causal=p.causal, window_size=(-1, -1), window_size_left=-1,
-                      window_size_right=-1, softcap=0.0, alibi_slopes=None, deterministic=False, rng_state=None)
+                      softmax_scale=softmax_scale, causal=p.causal, window_size=p.window, window_size_left=p.window[0],
+                      window_size_right=p.window[1], softcap=0.0, alibi_slopes=None, deterministic=False, rng_state=None)
         self._varlen_backward(**{n: values[n] for n in self._bwd_keywords})
         return dq, dk, dv

@@ -7,9 +7,10 @@ sequence's query and key rows are contiguous in the packed buffers. An
 rows; key ranges may repeat across blocks), so one kernel call becomes several
 *passes*:
 
-- a pass holds blocks with pairwise disjoint query ranges and one causal flag;
-  the number of passes is the minimum for that constraint (interval
-  partitioning: the largest number of blocks of one flag covering a row);
+- a pass holds blocks with pairwise disjoint query ranges, one causal flag and one
+  sliding window (``AttentionBlocks.windows``, flash-attn's bottom-right convention);
+  the number of passes is the minimum for that constraint (interval partitioning:
+  the largest number of blocks of one (flag, window) covering a row);
 - q/k/v rows of a pass are gathered into packed buffers (a plain view when the
   pass's segments are already adjacent, as for a packed batch's diagonal blocks);
 - pass results are merged with the log-sum-exp in fp32, exactly like the ring
@@ -40,7 +41,7 @@ from typing import Callable, Collection, Dict, Hashable, List, Optional, Tuple
 import torch
 
 from megatron_hsap.device_cache import cached_device_index
-from megatron_hsap.kernels.base import AttentionBlocks, check_kernel_inputs, merge_partial_attention_
+from megatron_hsap.kernels.base import UNBOUNDED, AttentionBlocks, check_kernel_inputs, merge_partial_attention_
 
 Segment = Tuple[int, int]
 HALF_DTYPES = (torch.float16, torch.bfloat16)
@@ -57,6 +58,7 @@ class VarlenPass:
     causal: bool
     q_segments: Tuple[Segment, ...]
     k_segments: Tuple[Segment, ...]
+    window: Tuple[int, int] = UNBOUNDED  # (left, right) of every sequence of the pass, -1 = unbounded
 
     @property
     def cu_seqlens_q(self) -> Tuple[int, ...]:
@@ -158,34 +160,38 @@ def warn_once_on_rank0(log: logging.Logger, message: str, key: Optional[Hashable
         log.warning(message)
 
 
-def normalized_blocks(blocks: AttentionBlocks) -> List[Tuple[int, int, int, int, bool]]:
-    """The blocks that attend to something, with causal blocks trimmed to the rows that see a key.
+def normalized_blocks(blocks: AttentionBlocks) -> List[Tuple[int, int, int, int, bool, Tuple[int, int]]]:
+    """The blocks that attend to something, with causal blocks trimmed to the rows that see a key, and
+    each block's window.
 
     A bottom-right-aligned causal block with more query rows than keys leaves its
-    first ``sq - sk`` rows without keys; dropping them gives the same mask and keeps
-    every row of a pass non-empty (the libraries disagree on what an empty row returns).
+    first ``sq - sk`` rows without keys; dropping them gives the same mask (and the same
+    window band, which is anchored at the bottom-right corner) and keeps every row of a
+    pass non-empty (the libraries disagree on what an empty row returns). Windowed blocks
+    come from the schedule trimmed to the rows that see a key.
     """
     out = []
-    for qs, qe, ks, ke, causal in blocks:
+    for i, (qs, qe, ks, ke, causal) in enumerate(blocks):
         sq, sk = qe - qs, ke - ks
         if sq <= 0 or sk <= 0:
             continue
         if causal and sq > sk:
             qs = qe - sk
-        out.append((qs, qe, ks, ke, causal))
+        out.append((qs, qe, ks, ke, causal, blocks.window(i)))
     return out
 
 
 @lru_cache(maxsize=256)
 def split_into_passes(blocks: AttentionBlocks) -> Tuple[VarlenPass, ...]:
-    """The fewest passes with disjoint query ranges and one causal flag each (see module doc).
+    """The fewest passes with disjoint query ranges and one causal flag and window each (see module doc).
 
-    Greedy interval partitioning per flag: blocks in order of query start go to the
+    Greedy interval partitioning per (flag, window): blocks in order of query start go to the
     pass that became free earliest, a new pass only when every pass still overlaps.
     """
     passes: List[VarlenPass] = []
-    for causal in (True, False):
-        chosen = sorted(b for b in normalized_blocks(blocks) if b[4] == causal)
+    normalized = normalized_blocks(blocks)
+    for causal, window in sorted({(b[4], b[5]) for b in normalized}, key=lambda kw: (not kw[0], kw[1])):
+        chosen = sorted(b for b in normalized if b[4] == causal and b[5] == window)
         members: List[List[Tuple[int, int, int, int, bool]]] = []
         free_at: List[Tuple[int, int]] = []  # heap of (last q_end, pass index)
         for block in chosen:
@@ -198,7 +204,7 @@ def split_into_passes(blocks: AttentionBlocks) -> Tuple[VarlenPass, ...]:
             heapq.heappush(free_at, (block[1], index))
         for group in members:
             passes.append(VarlenPass(causal, tuple((b[0], b[1]) for b in group),
-                                     tuple((b[2], b[3]) for b in group)))
+                                     tuple((b[2], b[3]) for b in group), window))
     return tuple(passes)
 
 

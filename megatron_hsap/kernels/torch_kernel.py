@@ -4,7 +4,8 @@ It implements ``AttentionKernel`` (see ``base.py``) on any device. Each block is
 cut into query x key tiles, so live memory is bounded by the tile size instead of
 ``t_q x t_k``; tiles that causality hides entirely are never computed. Runs of
 small consecutive blocks (packed batches of short documents) are fused into one
-masked tile, so per-block Python overhead does not dominate. The tile schedule of
+masked tile, so per-block Python overhead does not dominate. Windowed blocks (sliding
+windows, ``AttentionBlocks.windows``) mask the band inside each tile the same way. The tile schedule of
 an ``AttentionBlocks`` is cached, so forward and backward (and every layer using
 the same plan) build it once.
 
@@ -52,49 +53,58 @@ class _Tile:
     hidden: Optional[torch.Tensor]
 
 
-def _causal_hidden(rows: int, cols: int, diag: int) -> torch.Tensor:
-    """Bool [rows, cols]: True where col - row > diag (the keys a bottom-right-aligned causal row may not see)."""
-    return torch.ones(rows, cols, dtype=torch.bool).triu_(diag + 1)
+def _band_hidden(rows: int, cols: int, lo: Optional[int], hi: Optional[int]) -> torch.Tensor:
+    """Bool [rows, cols]: True where col - row lies outside [lo, hi] (the keys a row may not see)."""
+    hidden = torch.zeros(rows, cols, dtype=torch.bool)
+    if hi is not None:
+        hidden |= torch.ones(rows, cols, dtype=torch.bool).triu_(hi + 1)
+    if lo is not None:
+        hidden |= torch.ones(rows, cols, dtype=torch.bool).tril_(lo - 1)
+    return hidden
 
 
-def _block_tiles(qs: int, qe: int, ks: int, ke: int, causal: bool,
-                 shared: Dict[Tuple[int, int, int], torch.Tensor]) -> List[_Tile]:
-    """Cut one block into TILE_Q x TILE_K tiles, dropping tiles causality hides entirely."""
+def _block_tiles(qs: int, qe: int, ks: int, ke: int, lo: Optional[int], hi: Optional[int],
+                 shared: Dict[Tuple[int, int, Optional[int], Optional[int]], torch.Tensor]) -> List[_Tile]:
+    """Cut one block (key j visible from row i iff lo <= j - i <= hi) into TILE_Q x TILE_K tiles, dropping
+    tiles the band hides entirely; partly visible tiles of equal geometry share one mask."""
     tiles = []
-    diag = ke - qe  # absolute key j is visible from absolute row i iff j - i <= diag
     for q0 in range(qs, qe, TILE_Q):
         q1 = min(q0 + TILE_Q, qe)
         for k0 in range(ks, ke, TILE_K):
             k1 = min(k0 + TILE_K, ke)
-            if not causal or k1 - 1 - q0 <= diag:
+            least, most = k0 - (q1 - 1), k1 - 1 - q0  # smallest and largest j - i in the tile
+            if (hi is not None and least > hi) or (lo is not None and most < lo):
+                continue
+            if (hi is None or most <= hi) and (lo is None or least >= lo):
                 tiles.append(_Tile(q0, q1, k0, k1, None))
-            elif k0 - (q1 - 1) <= diag:  # partly visible: share masks of equal geometry
-                key = (q1 - q0, k1 - k0, diag - (k0 - q0))
-                if key not in shared:
-                    shared[key] = _causal_hidden(*key)
-                tiles.append(_Tile(q0, q1, k0, k1, shared[key]))
+                continue
+            key = (q1 - q0, k1 - k0, None if lo is None else lo - (k0 - q0), None if hi is None else hi - (k0 - q0))
+            if key not in shared:
+                shared[key] = _band_hidden(*key)
+            tiles.append(_Tile(q0, q1, k0, k1, shared[key]))
     return tiles
 
 
-def _fused_tile(group: List[Tuple[int, int, int, int, bool]]) -> _Tile:
+Band = Tuple[int, int, int, int, Optional[int], Optional[int]]  # (q_start, q_end, k_start, k_end, lo, hi)
+
+
+def _fused_tile(group: List[Band]) -> _Tile:
     """One masked tile covering several small blocks (their key ranges per row never overlap)."""
     q0, q1 = min(b[0] for b in group), max(b[1] for b in group)
     k0, k1 = min(b[2] for b in group), max(b[3] for b in group)
     hidden = torch.ones(q1 - q0, k1 - k0, dtype=torch.bool)
-    for qs, qe, ks, ke, causal in group:
-        view = hidden[qs - q0:qe - q0, ks - k0:ke - k0]
-        if causal:
-            view.copy_(_causal_hidden(qe - qs, ke - ks, ke - ks - (qe - qs)))
-        else:
-            view.fill_(False)
+    for qs, qe, ks, ke, lo, hi in group:
+        shift = ks - qs  # j - i = (b - a) + shift in block coordinates a, b
+        hidden[qs - q0:qe - q0, ks - k0:ke - k0] = _band_hidden(qe - qs, ke - ks, None if lo is None else lo - shift,
+                                                                None if hi is None else hi - shift)
     return _Tile(q0, q1, k0, k1, hidden)
 
 
 def _build_schedule(blocks: AttentionBlocks) -> List[_Tile]:
     """Tiles for all blocks: small consecutive blocks fused, large ones tiled (masks on CPU)."""
     tiles: List[_Tile] = []
-    shared: Dict[Tuple[int, int, int], torch.Tensor] = {}
-    group: List[Tuple[int, int, int, int, bool]] = []
+    shared: Dict[Tuple[int, int, Optional[int], Optional[int]], torch.Tensor] = {}
+    group: List[Band] = []
 
     def flush() -> None:
         if len(group) == 1:
@@ -103,8 +113,8 @@ def _build_schedule(blocks: AttentionBlocks) -> List[_Tile]:
             tiles.append(_fused_tile(group))
         group.clear()
 
-    for block in blocks:
-        qs, qe, ks, ke, _ = block
+    for block in blocks.bands():
+        qs, qe, ks, ke, _, _ = block
         if qe - qs > FUSE_Q or ke - ks > FUSE_K:
             flush()
             tiles.extend(_block_tiles(*block, shared))

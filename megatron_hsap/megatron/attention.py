@@ -40,6 +40,7 @@ from megatron.core.transformer.attention import SelfAttention
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.utils import is_layer_window_attention
 
 from megatron_hsap.config import ContextParallelConfig
 
@@ -84,6 +85,12 @@ class HSAPSelfAttention(SelfAttention):
     def hsap_causal(self) -> bool:
         """Causal attention inside each document (else full, see ``FULL_MASK_TYPES``)."""
         return self.attn_mask_type in CAUSAL_MASK_TYPES
+
+    @property
+    def hsap_window_size(self) -> Optional[Tuple[int, int]]:
+        """This layer's sliding window (None = no window), as Megatron configures it (a property, so layers
+        converted in place by ``convert_model_to_hsap`` have it too)."""
+        return layer_window_size(self.config, self.layer_number, self.hsap_causal)
 
     @property
     def hsap_softmax_scale(self) -> float:
@@ -159,7 +166,7 @@ class HSAPSelfAttention(SelfAttention):
 
         def core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             return context_parallel_attention(q, k, v, plan, causal=self.hsap_causal,
-                                              softmax_scale=self.hsap_softmax_scale)
+                                              softmax_scale=self.hsap_softmax_scale, window_size=self.hsap_window_size)
 
         if self.checkpoint_core_attention and self.training:  # --recompute-granularity selective
             return tensor_parallel.checkpoint(core, False, query[:, 0], key[:, 0], value[:, 0])
@@ -201,7 +208,20 @@ class HSAPSelfAttention(SelfAttention):
             num_heads_q=self.num_attention_heads_per_partition, num_heads_kv=self.num_query_groups_per_partition,
             head_dim=self.hidden_size_per_attention_head, rotary_freqs=freqs, rope_base=None,
             causal=self.hsap_causal, softmax_scale=self.hsap_softmax_scale, head_chunk_size=chunk,
-            rotary_interleaved=self.config.rotary_interleaved, sequence_parallel_group=sp_group)
+            rotary_interleaved=self.config.rotary_interleaved, sequence_parallel_group=sp_group,
+            window_size=self.hsap_window_size)
+
+
+def layer_window_size(config: Any, layer_number: int, causal: bool = True) -> Optional[Tuple[int, int]]:
+    """The sliding window of layer ``layer_number`` (1-based, Megatron's numbering): ``config.window_size``
+    on the layers Megatron's ``is_layer_window_attention`` selects (``window_attn_skip_freq``: every N-th
+    layer full, or a per-layer 0/1 list), None elsewhere; ``check_hsap_attention_config`` has already
+    refused windows the layer cannot have (causal layers: right must be 0 or -1)."""
+    from megatron_hsap.sequence.schedule import normalize_window
+
+    if not is_layer_window_attention(config.window_size, config.window_attn_skip_freq, layer_number):
+        return None
+    return normalize_window(config.window_size, causal=causal)
 
 
 _warned_upipe_fallback = False
@@ -271,10 +291,11 @@ def check_hsap_attention_config(config: Any, attn_mask_type: AttnMaskType = Attn
     Implemented, hence accepted: causal and full (``FULL_MASK_TYPES``) masks inside each
     document, ``rotary_interleaved`` (also with head chunks), ``no_rope_freq``.
     """
-    # --- Sliding window: rejected until the HSAP core takes window_size (then pass it through here). ---
+    # --- Sliding window: per layer (``layer_window_size``); a window this mask type cannot have is refused. ---
     if config.window_size is not None:
-        raise ValueError(f"window_size={config.window_size} (sliding-window attention) is not supported by HSAP "
-                         "attention; allowed: None")
+        from megatron_hsap.sequence.schedule import normalize_window
+
+        normalize_window(config.window_size, attn_mask_type in CAUSAL_MASK_TYPES)
     # --- Everything else the HSAP core does not implement. ---
     if config.attention_dropout != 0.0:
         raise ValueError(f"attention_dropout={config.attention_dropout} is not supported by HSAP attention; use 0.0")

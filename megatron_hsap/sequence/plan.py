@@ -22,7 +22,9 @@ from megatron_hsap.head_split import split_heads
 from megatron_hsap.parallel_state import CPTopology
 from megatron_hsap.sequence.cost_model import CostModel
 from megatron_hsap.sequence.layouts import Segment, check_layout, contiguous_layout, zigzag_layout
-from megatron_hsap.sequence.schedule import MemberSchedule, Piece, build_member_schedule, member_pieces, piece_tables
+from megatron_hsap.kernels.base import band_area
+from megatron_hsap.sequence.schedule import (MemberSchedule, Piece, Window, build_member_schedule, document_bounds,
+                                             member_pieces, normalize_window, piece_tables)
 
 __all__ = ["BatchPlan", "PlanStats", "plan_batch", "validate_cu_seqlens"]
 
@@ -57,6 +59,8 @@ class PlanStats:
     send_bytes_inter: List[int]
     recv_bytes_intra: List[int]
     recv_bytes_inter: List[int]
+    #: The ring's key/value bytes among ``send_bytes_*`` (what a sliding window shrinks).
+    ring_send_bytes: List[int]
 
     def __getitem__(self, key: str) -> List[int]:
         return getattr(self, key)
@@ -82,15 +86,15 @@ class _PlanData:
     rank_segments: Tuple[Tuple[Segment, ...], ...]
     tokens_per_rank: int
     pieces: List[Dict[int, List[Piece]]] = field(default_factory=list)
-    schedules: Dict[Tuple[int, bool], MemberSchedule] = field(default_factory=dict)
+    schedules: Dict[Tuple[int, bool, Window], MemberSchedule] = field(default_factory=dict)
     tables: Optional[List[np.ndarray]] = None
 
-    def schedule(self, member: int, causal: bool) -> MemberSchedule:
-        key = (member, causal)
+    def schedule(self, member: int, causal: bool, window: Window) -> MemberSchedule:
+        key = (member, causal, window)
         if key not in self.schedules:
             if self.tables is None:
                 self.tables = piece_tables(self.pieces)
-            self.schedules[key] = build_member_schedule(self.tables, member, causal)
+            self.schedules[key] = build_member_schedule(self.tables, member, causal, window)
         return self.schedules[key]
 
 
@@ -276,20 +280,23 @@ class BatchPlan:
         return out.movedim(0, dim)
 
     # ---- attention schedule ------------------------------------------------------------------
-    def member_schedule(self, causal: bool, member: Optional[int] = None) -> MemberSchedule:
-        """What ring member ``member`` (default: this rank's) computes and exchanges."""
+    def member_schedule(self, causal: bool, member: Optional[int] = None,
+                        window_size: Optional[Tuple[int, int]] = None) -> MemberSchedule:
+        """What ring member ``member`` (default: this rank's) computes and exchanges; ``window_size`` as in
+        ``context_parallel_attention`` (cached per (causal, window))."""
         member = self.topology.ring_rank if member is None else member
         if member is None:
             raise ValueError("this plan's topology is offline: pass member= explicitly")
-        return self._data.schedule(member, bool(causal))
+        return self._data.schedule(member, bool(causal), normalize_window(window_size, bool(causal)))
 
     # ---- predicted statistics ---------------------------------------------------------------
     def stats(self, num_heads_q: int, num_heads_kv: int, head_dim: int, dtype: torch.dtype = torch.bfloat16,
-              causal: bool = True) -> PlanStats:
+              causal: bool = True, window_size: Optional[Tuple[int, int]] = None) -> PlanStats:
         """Predicted per-rank figures of one layer's attention forward (plain Ulysses stages).
 
         attn_flops = 4 * mask area * heads per rank * head_dim; bytes count the Ulysses
-        all-to-alls (q, k, v in and the output back) and the ring's key/value exchanges.
+        all-to-alls (q, k, v in and the output back) and the ring's key/value exchanges
+        (with a sliding window, only the key rows inside some query's window).
         Computed from the placement alone (not from the compiled blocks), so tests can check
         the compiled schedule and the measured traffic against it.
         """
@@ -297,6 +304,8 @@ class BatchPlan:
         ulysses, ring, cp = topo.ulysses_size, topo.ring_size, topo.cp_size
         heads = split_heads(num_heads_q, num_heads_kv, ulysses)
         q_heads, kv_heads = heads.query_counts, heads.kv_counts
+        window = normalize_window(window_size, causal)
+        bounds = document_bounds(causal, window)
         elem = torch.empty((), dtype=dtype).element_size()
         pieces = self._data.pieces
         lengths = self._data.doc_lengths
@@ -307,11 +316,12 @@ class BatchPlan:
         for m in range(ring):
             for doc, doc_pieces in pieces[m].items():
                 for _, q0, q1 in doc_pieces:
-                    area[m] += (q0 + 1 + q1) * (q1 - q0) // 2 if causal else (q1 - q0) * lengths[doc]
+                    area[m] += band_area(q0, q1, 0, lengths[doc], *bounds)
         flops = [4 * area[c // ulysses] * q_heads[c % ulysses] * head_dim for c in range(cp)]
 
         send_intra, send_inter = [0] * cp, [0] * cp
         recv_intra, recv_inter = [0] * cp, [0] * cp
+        ring_send = [0] * cp
 
         def add(src: int, dst: int, nbytes: int) -> None:
             if nbytes == 0:
@@ -333,22 +343,34 @@ class BatchPlan:
         for a in range(ring):
             for b in range(ring):
                 if a != b:
-                    rows = needed_rows(pieces[a], pieces[b], causal)
+                    rows = needed_rows(pieces[a], pieces[b], causal, window)
                     for u in range(ulysses):
-                        add(b * ulysses + u, a * ulysses + u, rows * 2 * kv_heads[u] * head_dim * elem)
-        return PlanStats(tokens, padding, flops, send_intra, send_inter, recv_intra, recv_inter)
+                        row_bytes = 2 * kv_heads[u] * head_dim * elem
+                        add(b * ulysses + u, a * ulysses + u, rows * row_bytes)
+                        ring_send[b * ulysses + u] += rows * row_bytes
+        return PlanStats(tokens, padding, flops, send_intra, send_inter, recv_intra, recv_inter, ring_send)
 
 
-def needed_rows(q_docs: Dict[int, List[Piece]], k_docs: Dict[int, List[Piece]], causal: bool) -> int:
-    """Key rows of ``k_docs``' member that ``q_docs``' member attends to: keys before its last query."""
+def needed_rows(q_docs: Dict[int, List[Piece]], k_docs: Dict[int, List[Piece]], causal: bool,
+                window: Window = None) -> int:
+    """Key rows of ``k_docs``' member that ``q_docs``' member attends to: keys some query of the same
+    document sees (causal: before its last query; with a window (``normalize_window``): within reach)."""
+    lo, hi = document_bounds(causal, window)
     rows = 0
     for doc, q_pieces in q_docs.items():
         k_pieces = k_docs.get(doc)
         if not k_pieces:
             continue
-        limit = max(q1 for _, _, q1 in q_pieces) if causal else None
+        reach = sorted((q0 + lo if lo is not None else -1, q1 + hi if hi is not None else 1 << 62)
+                       for _, q0, q1 in q_pieces)  # keys [start, end) some query of the piece sees
+        merged: List[List[int]] = []
+        for start, end in reach:
+            if merged and start <= merged[-1][1]:
+                merged[-1][1] = max(merged[-1][1], end)
+            else:
+                merged.append([start, end])
         for _, k0, k1 in k_pieces:
-            rows += max(0, (k1 if limit is None else min(k1, limit)) - k0)
+            rows += sum(max(0, min(k1, end) - max(k0, start)) for start, end in merged)
     return rows
 
 

@@ -8,22 +8,62 @@ bottom-right aligned, see ``AttentionBlocks``) and the key/value rows that must
 move. Exchanges run in ring order: at distance ``s`` member ``m`` receives from
 ``m - s`` and sends to ``m + s`` (mod ring size), and an exchange with nothing
 needed is skipped on both sides, because both sides derive it from the same plan.
+
+Sliding windows (``window_size``, flash-attn's convention) live here too: a windowed
+schedule keeps only the (query piece, key piece) pairs the band reaches, each trimmed to
+the rows and keys it touches and labelled with its band (``AttentionBlocks.windows``), so
+the key/value rows a member sends shrink to those inside the window.
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import Dict, List, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
 
 from megatron_hsap.device_cache import cached_device_index
-from megatron_hsap.kernels.base import AttentionBlocks
+from megatron_hsap.kernels.base import UNBOUNDED, AttentionBlocks
 from megatron_hsap.sequence.layouts import Segment
 
 Piece = Tuple[int, int, int]  # (buffer_start, doc_start, doc_end) inside one member buffer
+#: A normalised sliding window ``(left, right)`` (see ``normalize_window``); None = unlimited.
+Window = Optional[Tuple[int, int]]
+_ALLOWED_WINDOWS = ("None, (-1, -1), or (left, right) with left and right ints >= 0 or -1 (unlimited); "
+                    "with causal=True right must be 0 or -1")
+#: Stands for an unbounded side in the vectorised block arithmetic (far beyond any token count).
+_FAR = 1 << 40
+
+
+def normalize_window(window_size: object, causal: bool) -> Window:
+    """Validate ``window_size`` (flash-attn's convention: a query at in-document position i sees keys in
+    ``[i - left, i + right]`` of its document, -1 = unlimited) and return its canonical form: None when it
+    restricts nothing, else ``(left, right)`` with right = 0 under ``causal``. ValueError names the argument."""
+    if window_size is None:
+        return None
+    if not (isinstance(window_size, (tuple, list)) and len(window_size) == 2
+            and all(isinstance(x, int) and not isinstance(x, bool) and x >= -1 for x in window_size)):
+        raise ValueError(f"window_size={window_size!r} is not supported; allowed values: {_ALLOWED_WINDOWS}")
+    left, right = window_size
+    if causal:
+        if right not in (0, -1):
+            raise ValueError(f"window_size={tuple(window_size)!r} has right={right} with causal=True; allowed values: "
+                             f"{_ALLOWED_WINDOWS}")
+        right = 0
+    if left == -1 and right == (0 if causal else -1):
+        return None
+    return left, right
+
+
+def document_bounds(causal: bool, window: Window) -> Tuple[Optional[int], Optional[int]]:
+    """Bounds ``(lo, hi)`` on ``key position - query position`` inside a document (None = unbounded)."""
+    left, right = window if window is not None else UNBOUNDED
+    hi = right if right >= 0 else None
+    if causal:
+        hi = 0 if hi is None else min(hi, 0)
+    return (-left if left >= 0 else None), hi
 
 
 @dataclass(frozen=True)
@@ -151,11 +191,66 @@ def _pair_blocks(q: np.ndarray, k: np.ndarray, causal: bool) -> np.ndarray:
     return blocks[(blocks[:, 1] > blocks[:, 0]) & (blocks[:, 3] > blocks[:, 2])]
 
 
+def _windowed_pair_blocks(q: np.ndarray, k: np.ndarray, lo: Optional[int], hi: Optional[int]) -> np.ndarray:
+    """Blocks ``[m, 7]`` (q_start, q_end, k_start, k_end, causal, left, right) of a windowed mask: every
+    query piece of ``q`` against the key pieces of ``k`` of its document, keeping the pairs where some key
+    position minus query position lies in ``[lo, hi]`` (None = unbounded), each trimmed to the rows that
+    see a key and the keys some row sees, with its band in the blocks' bottom-right convention."""
+    lo_, hi_ = (-_FAR if lo is None else lo), (_FAR if hi is None else hi)
+    first = np.searchsorted(k[:, 0], q[:, 0], side="left")
+    counts = np.searchsorted(k[:, 0], q[:, 0], side="right") - first
+    total = int(counts.sum())
+    qi = np.repeat(np.arange(len(q)), counts)
+    ki = np.repeat(first - (np.cumsum(counts) - counts), counts) + np.arange(total)
+    qb, q0, q1 = q[qi, 1], q[qi, 2], q[qi, 3]
+    kb, k0, k1 = k[ki, 1], k[ki, 2], k[ki, 3]
+    r0, r1 = np.maximum(q0, k0 - hi_), np.minimum(q1, k1 - lo_)  # rows that see a key of the piece
+    c0, c1 = np.maximum(k0, q0 + lo_), np.minimum(k1, q1 + hi_)  # keys some row sees
+    keep = (r1 > r0) & (c1 > c0)
+    qb, q0, kb, k0, r0, r1, c0, c1 = (x[keep] for x in (qb, q0, kb, k0, r0, r1, c0, c1))
+    corner = c1 - r1  # key - query on the trimmed block's bottom-right diagonal, inside [lo, hi]
+    left, right = corner - lo_, hi_ - corner
+    left = np.where((lo is None) | (left >= c1 - c0 - 1), -1, left)  # a bound that cuts nothing is dropped
+    right = np.where((hi is None) | (right >= r1 - r0 - 1), -1, right)
+    causal = right == 0
+    right = np.where(causal, -1, right)
+    return np.stack([qb + r0 - q0, qb + r1 - q0, kb + c0 - k0, kb + c1 - k0, causal.astype(np.int64), left, right],
+                    axis=1)
+
+
+def _pair_blocks_for(q: np.ndarray, k: np.ndarray, causal: bool, window: Window) -> np.ndarray:
+    """``_pair_blocks`` without a window, ``_windowed_pair_blocks`` with one (columns 0-4 alike)."""
+    if window is None:
+        return _merge_adjacent_keys(_pair_blocks(q, k, causal))
+    return _windowed_pair_blocks(q, k, *document_bounds(causal, window))
+
+
+def _merge_adjacent_keys(blocks: np.ndarray) -> np.ndarray:
+    """Join a full block with the next block of the same query rows whose keys start where its keys end
+    (a zigzag chunk sees both chunks of an earlier rank, or the full part of its own causal diagonal):
+    the same mask in fewer kernel calls and LSE merges. The joined block keeps the second's causal flag,
+    whose bottom-right alignment is unchanged (same key end, same query rows)."""
+    if len(blocks) < 2:
+        return blocks
+    blocks = blocks[np.lexsort((blocks[:, 2], blocks[:, 1], blocks[:, 0]))]
+    joins = ((blocks[1:, 0] == blocks[:-1, 0]) & (blocks[1:, 1] == blocks[:-1, 1])
+             & (blocks[1:, 2] == blocks[:-1, 3]) & (blocks[:-1, 4] == 0))
+    if not joins.any():
+        return blocks
+    starts = np.flatnonzero(np.concatenate([[True], ~joins]))  # first block of each run of joined blocks
+    ends = np.concatenate([starts[1:], [len(blocks)]]) - 1      # its last block
+    return np.stack([blocks[starts, 0], blocks[starts, 1], blocks[starts, 2], blocks[ends, 3], blocks[ends, 4]],
+                    axis=1)
+
+
 def _to_blocks(blocks: np.ndarray) -> AttentionBlocks:
     if not len(blocks):
         return AttentionBlocks()
-    qs, qe, ks, ke, c = (tuple(col.tolist()) for col in blocks.T)
-    return AttentionBlocks(qs, qe, ks, ke, tuple(bool(x) for x in c))
+    qs, qe, ks, ke, c = (tuple(col.tolist()) for col in blocks[:, :5].T)
+    windows = tuple(zip(blocks[:, 5].tolist(), blocks[:, 6].tolist())) if blocks.shape[1] > 5 else ()
+    if all(w == UNBOUNDED for w in windows):
+        windows = ()
+    return AttentionBlocks(qs, qe, ks, ke, tuple(bool(x) for x in c), windows)
 
 
 def _needed_rows(blocks: np.ndarray) -> Tuple[RowRanges, np.ndarray]:
@@ -173,23 +268,24 @@ def _needed_rows(blocks: np.ndarray) -> Tuple[RowRanges, np.ndarray]:
     return RowRanges(ranges), packed_starts[which] - range_starts[which]
 
 
-def build_member_schedule(tables: Sequence[np.ndarray], member: int, causal: bool) -> MemberSchedule:
+def build_member_schedule(tables: Sequence[np.ndarray], member: int, causal: bool,
+                          window: Window = None) -> MemberSchedule:
     """The schedule of one member (piece tables of every member, see ``piece_tables``): local blocks,
-    what it receives and what it sends, per ring distance."""
+    what it receives and what it sends, per ring distance; ``window`` from ``normalize_window``."""
     ring_size = len(tables)
     mine = tables[member]
-    local = _to_blocks(_pair_blocks(mine, mine, causal))
+    local = _to_blocks(_pair_blocks_for(mine, mine, causal, window))
     recv_steps, send_steps = [], []
     for distance in range(1, ring_size):
         src = (member - distance) % ring_size
-        blocks = _pair_blocks(mine, tables[src], causal)
+        blocks = _pair_blocks_for(mine, tables[src], causal, window)
         if len(blocks):
             rows, shift = _needed_rows(blocks)
             blocks[:, 2] += shift
             blocks[:, 3] += shift
             recv_steps.append(RecvStep(distance, src, rows.num_rows, _to_blocks(blocks)))
         dst = (member + distance) % ring_size
-        blocks = _pair_blocks(tables[dst], mine, causal)
+        blocks = _pair_blocks_for(tables[dst], mine, causal, window)
         if len(blocks):
             send_steps.append(SendStep(distance, dst, _needed_rows(blocks)[0]))
     return MemberSchedule(local, tuple(recv_steps), tuple(send_steps))
