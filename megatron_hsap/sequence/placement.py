@@ -34,10 +34,12 @@ import bisect
 import math
 from typing import List, Optional, Sequence, Tuple
 
-from megatron_hsap.sequence.cost_model import CostModel, causal_area
-from megatron_hsap.sequence.layouts import Segment, split_member_stream
+import numpy as np
 
-__all__ = ["sequence_aware_placement"]
+from megatron_hsap.sequence.cost_model import CostModel, causal_area
+from megatron_hsap.sequence.layouts import Segment, split_streams, table_segments
+
+__all__ = ["sequence_aware_placement", "sequence_aware_table"]
 
 Ranges = Tuple[Tuple[int, int], ...]  # disjoint, increasing in-document ranges of one document
 
@@ -492,6 +494,16 @@ def sequence_aware_placement(doc_lengths: Sequence[int], *, ring_size: int, ulys
     attention a padded member takes in place of its missing tokens' linear work. Deterministic:
     every rank computes the same placement.
     """
+    table = sequence_aware_table(doc_lengths, ring_size=ring_size, ulysses_size=ulysses_size,
+                                 ring_members_per_node=ring_members_per_node, tokens_per_rank=tokens_per_rank,
+                                 cost_model=cost_model)
+    return table_segments(table, ring_size * ulysses_size)
+
+
+def sequence_aware_table(doc_lengths: Sequence[int], *, ring_size: int, ulysses_size: int,
+                         ring_members_per_node: int, tokens_per_rank: int,
+                         cost_model: Optional[CostModel] = None) -> np.ndarray:
+    """``sequence_aware_placement`` as a segment table (``layouts.split_streams``): what ``plan_batch`` uses."""
     _check_size("ring_size", ring_size, 1)
     _check_size("ulysses_size", ulysses_size, 1)
     _check_size("ring_members_per_node", ring_members_per_node, 1)
@@ -514,9 +526,7 @@ def sequence_aware_placement(doc_lengths: Sequence[int], *, ring_size: int, ulys
     nodes = [list(range(m, min(m + ring_members_per_node, ring_size)))
              for m in range(0, ring_size, ring_members_per_node)]
     members = _split(docs, nodes, caps, targets)
-
-    out: List[List[Segment]] = []
-    for items in members:
-        out.extend(split_member_stream([(it.doc, s, e) for it in _merged(items) for s, e in it.ranges],
-                                       ulysses_size, tokens_per_rank))
-    return out
+    # Each member's stream: its documents in index order, each document's pieces merged.
+    rows = [(m, it.doc, s, e) for m, items in enumerate(members) for it in _merged(items) for s, e in it.ranges]
+    member, doc, start, end = np.array(rows, dtype=np.int64).reshape(-1, 4).T
+    return split_streams(member, doc, start, end, ulysses_size, tokens_per_rank)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import gc
 from dataclasses import dataclass, field
 from functools import lru_cache
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -20,7 +20,7 @@ import torch.distributed as dist
 from megatron_hsap.config import LAYOUTS
 from megatron_hsap.parallel_state import CPTopology
 from megatron_hsap.sequence.cost_model import CostModel
-from megatron_hsap.sequence.layouts import Segment, check_layout, contiguous_layout, zigzag_layout
+from megatron_hsap.sequence.layouts import Segment, check_table, contiguous_table, table_segments, zigzag_table
 from megatron_hsap.sequence.schedule import MemberSchedule, Piece, build_member_schedule, member_pieces, piece_tables
 
 __all__ = ["BatchPlan", "PlanStats", "plan_batch", "validate_cu_seqlens"]
@@ -72,17 +72,36 @@ class PlanStats:
 
 @dataclass
 class _PlanData:
-    """Rank-independent part of a plan, shared through the cache."""
+    """Rank-independent part of a plan, shared through the cache (and picklable: data-loader workers build it).
+
+    ``table``: the placement as a segment table (``layouts.split_streams``); ``tables``: per member, the piece
+    tables the schedule compiler joins on (``schedule.piece_tables``' form), built from it with numpy ops.
+    The per-rank segment tuples and per-member piece dicts are built on first use (reports, ``stats``):
+    a rank in training needs only its own slots and its member's schedule.
+    """
 
     doc_lengths: Tuple[int, ...]
     layout: str
     cp_size: int
     ulysses_size: int
-    rank_segments: Tuple[Tuple[Segment, ...], ...]
+    table: np.ndarray
     tokens_per_rank: int
-    pieces: List[Dict[int, List[Piece]]] = field(default_factory=list)
     schedules: Dict[Tuple[int, bool], MemberSchedule] = field(default_factory=dict)
     tables: Optional[List[np.ndarray]] = None
+    _segments: Optional[Tuple[Tuple[Segment, ...], ...]] = None
+    _pieces: Optional[List[Dict[int, List[Piece]]]] = None
+
+    @property
+    def rank_segments(self) -> Tuple[Tuple[Segment, ...], ...]:
+        if self._segments is None:
+            self._segments = tuple(tuple(s) for s in table_segments(self.table, self.cp_size))
+        return self._segments
+
+    @property
+    def pieces(self) -> List[Dict[int, List[Piece]]]:
+        if self._pieces is None:
+            self._pieces = member_pieces(self.rank_segments, self.tokens_per_rank, self.ulysses_size)
+        return self._pieces
 
     def schedule(self, member: int, causal: bool) -> MemberSchedule:
         key = (member, causal)
@@ -93,27 +112,57 @@ class _PlanData:
         return self.schedules[key]
 
 
+def _member_tables(table: np.ndarray, doc_lengths: Sequence[int], tokens_per_rank: int, ulysses: int,
+                   ring: int) -> List[np.ndarray]:
+    """Per member, int64 ``[n, 4]`` rows (doc, buffer_start, doc_start, doc_end) sorted by document then
+    position, adjacent pieces merged: ``schedule.piece_tables(schedule.member_pieces(...))`` with numpy ops."""
+    if not len(table):
+        return [np.zeros((0, 4), dtype=np.int64) for _ in range(ring)]
+    rank, doc, start, end = table.T
+    length = end - start
+    # Buffer position: the rank's slot offset in the member, plus the tokens before the row in its rank.
+    before = np.cumsum(length) - length
+    rank_first = np.cumsum(np.bincount(rank, minlength=ring * ulysses)) - np.bincount(rank, minlength=ring * ulysses)
+    buffer = (rank % ulysses) * tokens_per_rank + before - before[rank_first[rank]]
+    member = rank // ulysses
+    # A row continuing the previous one (same member and document, adjacent in the buffer and the document)
+    # is merged into it: a document cut only by a Ulysses rank boundary is one piece of the member buffer.
+    head = np.ones(len(doc), dtype=bool)
+    head[1:] = ~((member[1:] == member[:-1]) & (doc[1:] == doc[:-1]) & (start[1:] == end[:-1])
+                 & (buffer[1:] == buffer[:-1] + length[:-1]))
+    heads = np.flatnonzero(head)
+    tails = np.append(heads[1:] - 1, len(doc) - 1)
+    merged = np.stack([doc[heads], buffer[heads], start[heads], end[tails]], axis=1)
+    owner = member[heads]
+    # Sort by member, then document, then position: the packed position orders (document, position).
+    doc_starts = np.concatenate([np.zeros(1, dtype=np.int64), np.cumsum(doc_lengths, dtype=np.int64)])
+    order = np.argsort(owner * (int(doc_starts[-1]) + 1) + doc_starts[merged[:, 0]] + merged[:, 2], kind="stable")
+    merged, owner = merged[order], owner[order]
+    bounds = np.searchsorted(owner, np.arange(ring + 1)).tolist()
+    return [merged[bounds[m]:bounds[m + 1]] for m in range(ring)]
+
+
 def _place(doc_lengths: Tuple[int, ...], topology: CPTopology, layout: str,
-           cost_model: Optional[CostModel] = None) -> Tuple[List[List[Segment]], int]:
+           cost_model: Optional[CostModel] = None) -> Tuple[np.ndarray, int]:
     cp = topology.cp_size
     if layout == "zigzag":
-        return zigzag_layout(doc_lengths, cp, topology.ulysses_size)
+        return zigzag_table(doc_lengths, cp, topology.ulysses_size)
     if layout == "contiguous":
-        return contiguous_layout(doc_lengths, cp)
-    from megatron_hsap.sequence.placement import sequence_aware_placement
+        return contiguous_table(doc_lengths, cp)
+    from megatron_hsap.sequence.placement import sequence_aware_table
 
     nodes = topology.node_of_cp_rank
     members_on_node0 = sum(1 for m in range(topology.ring_size) if nodes[m * topology.ulysses_size] == nodes[0])
     tokens_per_rank = -(-sum(doc_lengths) // cp)
-    segments = sequence_aware_placement(doc_lengths, ring_size=topology.ring_size, ulysses_size=topology.ulysses_size,
-                                        ring_members_per_node=members_on_node0, tokens_per_rank=tokens_per_rank,
-                                        cost_model=cost_model)
-    return segments, tokens_per_rank
+    table = sequence_aware_table(doc_lengths, ring_size=topology.ring_size, ulysses_size=topology.ulysses_size,
+                                 ring_members_per_node=members_on_node0, tokens_per_rank=tokens_per_rank,
+                                 cost_model=cost_model)
+    return table, tokens_per_rank
 
 
-@lru_cache(maxsize=64)
-def _cached_plan_data(doc_lengths: Tuple[int, ...], topology_signature: tuple, layout: str,
-                      cost_model: Optional[CostModel]) -> _PlanData:
+def build_plan_data(doc_lengths: Tuple[int, ...], topology_signature: tuple, layout: str,
+                    cost_model: Optional[CostModel]) -> _PlanData:
+    """The rank-independent part of a plan, uncached: placement, its check, the members' piece tables."""
     cp, ulysses, nodes = topology_signature
     topology = CPTopology(cp_size=cp, ulysses_size=ulysses, node_of_cp_rank=nodes)
     # Planning allocates many small acyclic objects; a full cyclic-GC pass over the process heap triggered
@@ -121,14 +170,17 @@ def _cached_plan_data(doc_lengths: Tuple[int, ...], topology_signature: tuple, l
     gc_was_enabled = gc.isenabled()
     gc.disable()
     try:
-        segments, tokens_per_rank = _place(doc_lengths, topology, layout, cost_model)
-        check_layout(segments, doc_lengths, tokens_per_rank)
-        data = _PlanData(doc_lengths, layout, cp, ulysses, tuple(tuple(s) for s in segments), tokens_per_rank)
-        data.pieces = member_pieces(data.rank_segments, tokens_per_rank, ulysses)
+        table, tokens_per_rank = _place(doc_lengths, topology, layout, cost_model)
+        check_table(table, doc_lengths, tokens_per_rank)
+        data = _PlanData(doc_lengths, layout, cp, ulysses, table, tokens_per_rank)
+        data.tables = _member_tables(table, doc_lengths, tokens_per_rank, ulysses, cp // ulysses)
     finally:
         if gc_was_enabled:
             gc.enable()
     return data
+
+
+_cached_plan_data = lru_cache(maxsize=64)(build_plan_data)
 
 
 def plan_batch(cu_seqlens: torch.Tensor, topology: CPTopology, layout: str = "zigzag", *,
@@ -197,17 +249,17 @@ class BatchPlan:
 
     def _slot_tables(self, rank: int) -> Tuple[torch.Tensor, torch.Tensor]:
         """(global index, in-document position) of every local slot of CP rank ``rank``; (-1, 0) on padding."""
-        doc_starts = [0]
-        for n in self._data.doc_lengths:
-            doc_starts.append(doc_starts[-1] + n)
-        indices = torch.full((self.tokens_per_rank,), -1, dtype=torch.int64)
-        positions = torch.zeros(self.tokens_per_rank, dtype=torch.int64)
-        offset = 0
-        for doc, start, end in self._data.rank_segments[rank]:
-            indices[offset:offset + end - start] = torch.arange(doc_starts[doc] + start, doc_starts[doc] + end)
-            positions[offset:offset + end - start] = torch.arange(start, end)
-            offset += end - start
-        return indices, positions
+        table = self._data.table
+        lo, hi = np.searchsorted(table[:, 0], [rank, rank + 1]).tolist()
+        _, doc, start, end = table[lo:hi].T
+        length = end - start
+        doc_starts = np.concatenate([[0], np.cumsum(np.asarray(self._data.doc_lengths, dtype=np.int64))])
+        # Slot j of segment k: in-document position start_k + (j - first slot of k).
+        positions = np.arange(int(length.sum())) + np.repeat(start - (np.cumsum(length) - length), length)
+        indices = positions + np.repeat(doc_starts[doc], length)
+        pad = self.tokens_per_rank - len(positions)
+        return (torch.from_numpy(np.concatenate([indices, np.full(pad, -1, dtype=np.int64)])),
+                torch.from_numpy(np.concatenate([positions, np.zeros(pad, dtype=np.int64)])))
 
     def global_indices_of(self, rank: Optional[int] = None) -> torch.Tensor:
         """int64 ``[tokens_per_rank]``: global packed index of each local slot, -1 on padding."""
@@ -238,7 +290,7 @@ class BatchPlan:
 
     @property
     def num_padding_tokens(self) -> int:
-        return self.tokens_per_rank - sum(e - s for _, s, e in self._data.rank_segments[self._rank(None)])
+        return int((self.global_indices < 0).sum())
 
     def shard(self, x: torch.Tensor, dim: int = 0) -> torch.Tensor:
         """This rank's part of a global tensor whose ``dim`` has the packed length; zeros on padding."""
