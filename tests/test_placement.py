@@ -396,13 +396,13 @@ def test_lower_bound_counts_only_area_beyond_one_node() -> None:
 
 def test_plan_batch_passes_the_cost_model_through(monkeypatch) -> None:
     seen = []
-    real = placement_module.sequence_aware_placement
+    real = placement_module.sequence_aware_table
 
     def spy(*args, **kwargs):
         seen.append(kwargs["cost_model"])
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(placement_module, "sequence_aware_placement", spy)
+    monkeypatch.setattr(placement_module, "sequence_aware_table", spy)
     cu = cu_seqlens_from_lengths([3001, 17, 4242, 999])  # lengths no other test plans: not cached yet
     topo = CPTopology.offline(4, 1, 2)
     tiny = CostModel(hidden_size=1, ffn_hidden_size=1, num_heads_q=1, num_heads_kv=1, head_dim=1)
