@@ -11,10 +11,12 @@ Llama-3-8B, 32 query heads, 8 KV heads, head_dim 128, bf16).
 
 Per (mix, layout, placement), over ``--batches`` batches (default 4):
 attn imb worst / med = max/mean attention FLOPs over CP ranks, worst and median batch; tok imb = the same
-for tokens (worst); inter MiB = inter-node bytes per layer, mean per batch; vs LB = inter-node bytes /
-the capacity-free lower bound (``inter_node_rows_lower_bound``, at perfect balance), median over batches
-with a nonzero bound ("0" when the bound is 0 and nothing moves); vs zigzag = inter-node bytes summed
-over the batches / zigzag's; pad = padding tokens (worst batch); plan ms p50 / p99 = CPU time of cold
+for tokens (worst); inter MiB = inter-node bytes per layer, mean per batch (a row once per receiving ring
+member); fwd MiB = the same with node-level K/V forwarding (a row once per receiving node,
+``PlanStats.recv_bytes_inter_forwarded``; equal in hybrid layouts); vs LB = fwd bytes / the lower bound
+(``inter_node_rows_lower_bound`` at perfect balance and plan_batch's node token capacity), median over
+batches with a nonzero bound ("0" when the bound is 0 and nothing moves); vs zigzag = inter-node bytes
+summed over the batches / zigzag's (both without forwarding); pad = padding tokens (worst batch); plan ms p50 / p99 = CPU time of cold
 ``plan_batch`` (placement, checks, per-member pieces).
 
     .venv/bin/python tools/plan_report.py                       # 3 mixes x 4 layouts, 1M tokens (~20 s)
@@ -66,6 +68,7 @@ class Row:
     attn_median: float
     token_worst: float
     inter_mib: float
+    forwarded_mib: float
     vs_bound: Optional[float]
     vs_zigzag: Optional[float]
     padding: int
@@ -108,14 +111,18 @@ def measure(lengths: List[int], topo: CPTopology, placement: str, model: CostMod
     plan_ms = (time.process_time() - start) * 1e3
     stats = plan.stats(model.num_heads_q, model.num_heads_kv, model.head_dim, DTYPE)
     return plan, dict(attn=stats.flops_imbalance, tokens=_imbalance(stats.tokens),
-                      inter=sum(stats.send_bytes_inter), padding=sum(stats.padding_tokens), plan_ms=plan_ms)
+                      inter=sum(stats.send_bytes_inter), forwarded=sum(stats.recv_bytes_inter_forwarded),
+                      padding=sum(stats.padding_tokens), plan_ms=plan_ms)
 
 
 def lower_bound_bytes(lengths: Sequence[int], topo: CPTopology, model: CostModel) -> int:
-    """Capacity-free lower bound on one layer's inter-node key/value bytes (see ``inter_node_rows_lower_bound``)."""
+    """Lower bound on one layer's inter-node key/value bytes of a perfectly balanced placement whose nodes hold
+    at most ``plan_batch``'s token capacity (see ``inter_node_rows_lower_bound``)."""
     kv_heads = validate_head_counts(model.num_heads_q, model.num_heads_kv, topo.ulysses_size)
     row_bytes = 2 * kv_heads * model.head_dim * torch.empty((), dtype=DTYPE).element_size()
-    return inter_node_rows_lower_bound(lengths, len(set(topo.node_of_cp_rank))) * row_bytes
+    nodes = len(set(topo.node_of_cp_rank))
+    node_tokens = -(-sum(lengths) // topo.cp_size) * (topo.cp_size // nodes)
+    return inter_node_rows_lower_bound(lengths, nodes, node_tokens=node_tokens) * row_bytes
 
 
 def run(mixes: Sequence[str], sizes: Sequence[str], layouts: Sequence[str], modes: Sequence[str],
@@ -133,26 +140,29 @@ def run(mixes: Sequence[str], sizes: Sequence[str], layouts: Sequence[str], mode
                     zigzag_inter = sum(m["inter"] for m in per["zigzag"])
                     for placement, ms in per.items():
                         inter = [m["inter"] for m in ms]
-                        ratios = [i / b for i, b in zip(inter, bounds) if b > 0]
-                        vs_bound = statistics.median(ratios) if ratios else (0.0 if not any(inter) else None)
+                        forwarded = [m["forwarded"] for m in ms]
+                        ratios = [i / b for i, b in zip(forwarded, bounds) if b > 0]
+                        vs_bound = statistics.median(ratios) if ratios else (0.0 if not any(forwarded) else None)
                         times = [m["plan_ms"] for m in ms]
                         yield Row(mix, size, layout, mode, placement,
                                   statistics.mean(len(lengths) for lengths in all_lengths),
                                   max(m["attn"] for m in ms), statistics.median(m["attn"] for m in ms),
-                                  max(m["tokens"] for m in ms), statistics.mean(inter) / MIB, vs_bound,
+                                  max(m["tokens"] for m in ms), statistics.mean(inter) / MIB,
+                                  statistics.mean(forwarded) / MIB, vs_bound,
                                   sum(inter) / zigzag_inter if zigzag_inter else None,
                                   max(m["padding"] for m in ms), _percentile(times, 0.5), _percentile(times, 0.99))
 
 
 def format_table(rows: Sequence[Row]) -> str:
     head = ("| mix | tokens | layout | mode | placement | docs | attn imb worst | attn imb med | tok imb worst "
-            "| inter MiB | vs LB | vs zigzag | pad | plan ms p50 | plan ms p99 |")
+            "| inter MiB | fwd MiB | vs LB | vs zigzag | pad | plan ms p50 | plan ms p99 |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in rows:
         vs_bound = "-" if r.vs_bound is None else f"{r.vs_bound:.2f}"
         vs_zigzag = "-" if r.vs_zigzag is None else f"{100 * r.vs_zigzag:.1f} %"
         lines.append(f"| {r.mix} | {r.size} | {r.layout} | {r.mode} | {r.placement} | {r.docs:.0f} "
                      f"| {r.attn_worst:.4f} | {r.attn_median:.4f} | {r.token_worst:.4f} | {r.inter_mib:.1f} "
+                     f"| {r.forwarded_mib:.1f} "
                      f"| {vs_bound} | {vs_zigzag} | {r.padding} | {r.plan_p50:.1f} | {r.plan_p99:.1f} |")
     return "\n".join(lines)
 

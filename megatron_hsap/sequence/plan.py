@@ -47,7 +47,14 @@ def validate_cu_seqlens(cu_seqlens: torch.Tensor) -> Tuple[int, ...]:
 
 @dataclass(frozen=True)
 class PlanStats:
-    """Per-CP-rank figures for one layer's attention forward pass (lists indexed by CP rank)."""
+    """Per-CP-rank figures for one layer's attention forward pass (lists indexed by CP rank, except
+    ``recv_bytes_inter_forwarded``: indexed by node, in increasing node id).
+
+    ``recv_bytes_inter`` counts a remote key/value row once per receiving ring member (what the ring
+    moves today); ``recv_bytes_inter_forwarded`` once per receiving node: what node-level K/V forwarding
+    (a row needed by several members of a node crosses the node boundary once, then is shared inside the
+    node) would move. The two are equal when a node holds one ring member (Ulysses over the node).
+    """
 
     tokens: List[int]
     padding_tokens: List[int]
@@ -56,6 +63,7 @@ class PlanStats:
     send_bytes_inter: List[int]
     recv_bytes_intra: List[int]
     recv_bytes_inter: List[int]
+    recv_bytes_inter_forwarded: List[int]
 
     def __getitem__(self, key: str) -> List[int]:
         return getattr(self, key)
@@ -386,7 +394,20 @@ class BatchPlan:
                     rows = needed_rows(pieces[a], pieces[b], causal)
                     for u in range(ulysses):
                         add(b * ulysses + u, a * ulysses + u, rows * row_bytes)
-        return PlanStats(tokens, padding, flops, send_intra, send_inter, recv_intra, recv_inter)
+        # With forwarding a node receives, from each remote member, the rows any of its members needs:
+        # the node's pieces of a document taken together, causal limit = the latest query of any member.
+        node_of_member = [topo.node_of_cp_rank[m * ulysses] for m in range(ring)]
+        nodes = sorted(set(node_of_member))
+        forwarded = []
+        for node in nodes:
+            node_docs: Dict[int, List[Piece]] = {}
+            for m in range(ring):
+                if node_of_member[m] == node:
+                    for doc, doc_pieces in pieces[m].items():
+                        node_docs.setdefault(doc, []).extend(doc_pieces)
+            rows = sum(needed_rows(node_docs, pieces[b], causal) for b in range(ring) if node_of_member[b] != node)
+            forwarded.append(rows * row_bytes * ulysses)
+        return PlanStats(tokens, padding, flops, send_intra, send_inter, recv_intra, recv_inter, forwarded)
 
 
 def needed_rows(q_docs: Dict[int, List[Piece]], k_docs: Dict[int, List[Piece]], causal: bool) -> int:
