@@ -1,17 +1,19 @@
-"""PlanPrefetcher: plans made ahead in a thread equal plan_batch's, in order; errors surface at their batch.
+"""PlanPrefetcher / plan_ahead: plans made ahead in a thread equal plan_batch's (and an uncached plan), in order,
+and are cache hits when the loop asks for them; errors surface at their batch.
 
 Fast (no processes): ``.venv/bin/python -m pytest tests/test_prefetch.py -q``.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
 from megatron_hsap.parallel_state import CPTopology
 from megatron_hsap.sequence.doc_lengths import cu_seqlens_from_lengths, sample_doc_lengths
-from megatron_hsap.sequence.plan import plan_batch
-from megatron_hsap.sequence.prefetch import PlanPrefetcher
+from megatron_hsap.sequence.plan import _cached_plan_data, build_plan_data, plan_batch
+from megatron_hsap.sequence.prefetch import PlanPrefetcher, plan_ahead
 
 
 @pytest.mark.parametrize("layout", ["sequence-aware", "zigzag"])
@@ -60,3 +62,45 @@ def test_close_stops_an_endless_stream() -> None:
     assert not prefetcher._thread.is_alive()
     with pytest.raises(StopIteration):
         next(prefetcher)
+
+
+def _micro_batch(lengths) -> dict:
+    """A stand-in for a training micro-batch: the loop derives cu_seqlens from its tokens."""
+    return {"cu_seqlens": cu_seqlens_from_lengths(lengths), "lengths": tuple(lengths)}
+
+
+def test_plan_ahead_passes_batches_through_and_leaves_their_plans_cached() -> None:
+    topo = CPTopology.offline(4, 2, 2)
+    # Lengths no other test plans: each plan_batch below is a hit only if plan_ahead planned it first.
+    batches = [_micro_batch([3000 + s, 17, 4000 + 7 * s, 99]) for s in range(5)]
+    seen = []
+    for batch in plan_ahead(iter(batches), lambda b: b["cu_seqlens"], topo, "sequence-aware", depth=2):
+        seen.append(batch)
+        hits = _cached_plan_data.cache_info().hits
+        plan = plan_batch(batch["cu_seqlens"], topo, "sequence-aware")
+        assert _cached_plan_data.cache_info().hits == hits + 1
+        # What another rank computes from scratch, without any cache, is the same plan.
+        fresh = build_plan_data(batch["lengths"], topo.signature(), "sequence-aware", None)
+        assert np.array_equal(plan._data.table, fresh.table)
+        assert all(np.array_equal(a, b) for a, b in zip(plan._data.tables, fresh.tables))
+    assert seen == batches
+
+
+def test_plan_ahead_errors_surface_at_their_batch_and_bad_arguments_at_the_call() -> None:
+    topo = CPTopology.offline(2, 1, 2)
+
+    def cu_of(batch: dict) -> torch.Tensor:
+        if batch["lengths"] == (5,):
+            raise ValueError("tokens of batch 1 are not [b, s]")
+        return batch["cu_seqlens"]
+
+    batches = plan_ahead([_micro_batch([2, 2]), _micro_batch([5]), _micro_batch([1])], cu_of, topo, "zigzag")
+    assert next(batches)["lengths"] == (2, 2)
+    with pytest.raises(ValueError, match="batch 1"):
+        next(batches)
+    with pytest.raises(StopIteration):
+        next(batches)
+    with pytest.raises(ValueError, match="depth"):
+        plan_ahead([], cu_of, topo, "zigzag", depth=0)
+    with pytest.raises(ValueError, match="cu_seqlens_of"):
+        plan_ahead([], "cu_seqlens", topo, "zigzag")

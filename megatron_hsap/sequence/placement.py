@@ -49,10 +49,6 @@ _HEAVY = 0.001
 # Between nodes, a heavy item of at most this fraction of the smaller side's tokens is never cut: when it fits
 # neither side whole it joins the light items, whose phase fills rooms exactly by choosing and exchanging items.
 _SHORT = 0.02
-# When that still cuts several documents, the level is retried with these fractions (between nodes only), and
-# the attempt moving the fewest rows whose area error is at most _RETRY_ERROR of the smaller target is kept.
-_SHORT_RETRIES = (0.05, 0.1)
-_RETRY_ERROR = 0.004
 # ... and neither is a document of at most this many tokens (whose cut would buy nearly no balance).
 _SHORT_TOKENS = 64
 # The shortest items holding this fraction of a bisection's tokens are shared in proportion to the sides' rooms.
@@ -431,60 +427,24 @@ def _exchange(inside: List[int], outside: List[int], items: List[_Item], taken: 
 def _bisect_items(items: List[_Item], rooms: Tuple[int, int], targets: Tuple[float, float],
                   between_nodes: bool) -> List[List[_Item]]:
     """Split ``items`` into two sides of exactly ``rooms`` tokens whose areas approach ``targets``.
-
-    ``between_nodes``: the sides are groups of nodes, so short documents are not cut (inter-node traffic);
-    when that still cuts more than one document, the level is retried with longer and longer documents
-    left uncut (``_SHORT_RETRIES``), and the attempt moving the fewest rows whose area error stays within
-    ``_RETRY_ERROR`` of the smaller target is kept (a cut of a medium document for the last 0.1 % of balance
-    costs more rows than it is worth; the imbalance target is 2 %)."""
+    ``between_nodes``: the sides are groups of nodes, so short documents are not cut (inter-node traffic)."""
     if rooms[1] == 0:
         return [items, []]
     if rooms[0] == 0:
         return [[], items]
-    if not between_nodes:
-        return _bisect_once(items, rooms, targets, 0, _ROUNDS_INSIDE_NODE)[0]
-    best = None
-    for fraction in (_SHORT,) + _SHORT_RETRIES:
-        short = max(int(fraction * min(rooms)), _SHORT_TOKENS)
-        sides, error = _bisect_once(items, rooms, targets, short, _ROUNDS_BETWEEN_NODES)
-        rows, split = _rows_between(sides)
-        key = (error > _RETRY_ERROR * min(targets), rows if error <= _RETRY_ERROR * min(targets) else error)
-        if best is None or key < best[0]:
-            best = (key, sides)
-        if split <= 1:
-            break
-    return best[1]
-
-
-def _bisect_once(items: List[_Item], rooms: Tuple[int, int], targets: Tuple[float, float], short: int,
-                 rounds: int) -> Tuple[List[List[_Item]], float]:
-    """One bisection (module docstring); items of at most ``short`` tokens are never cut by the heavy phase.
-    Returns the sides and the larger distance of a side's area from its target."""
-    state = _Bisection(items, rooms, targets, rounds)
+    state = _Bisection(items, rooms, targets, _ROUNDS_BETWEEN_NODES if between_nodes else _ROUNDS_INSIDE_NODE)
     pool = state.pool.items
     heavy = _HEAVY * max(1.0, min(targets))
     # Items are placed one by one up to the last heavy one; the rest are dealt as a window.
     end = max((k + 1 for k, it in enumerate(pool) if it.area > heavy), default=0)
+    short = max(int(_SHORT * min(rooms)), _SHORT_TOKENS) if between_nodes else 0
     deferred = [pool[k] for k in range(end) if not state.place_heavy(k, short)]
     if deferred:  # one light pool in density order again
         state.pool = _Pool(sorted(deferred + pool[end:], key=_density_order))
         end = 0
     state.place_light(end)
     state.mend_cuts()
-    return [_merged(side) for side in state.out], max(abs(m) for m in state.missing)
-
-
-def _rows_between(sides: List[List[_Item]]) -> Tuple[int, int]:
-    """(key/value rows moved between the two sides, documents split): for a document on both sides, the
-    horizon of the side without its last token (the horizon formula)."""
-    last = [{it.doc: it.ranges[-1][1] for it in side} for side in sides]
-    rows = split = 0
-    for doc, end0 in last[0].items():
-        end1 = last[1].get(doc)
-        if end1 is not None:
-            rows += min(end0, end1)
-            split += 1
-    return rows, split
+    return [_merged(side) for side in state.out]
 
 
 def _split(items: List[_Item], groups: list, caps: Sequence[int], targets: Sequence[float]) -> List[List[_Item]]:
