@@ -39,7 +39,7 @@ def test_tiny_report_has_one_row_per_placement(report, capsys, tmp_path) -> None
     assert all(r[:4] == ["buckets", "128K", "2x8", "hybrid"] for r in rows)
     by_placement = {r[4]: r for r in rows}
     seq, zigzag = by_placement["sequence-aware"], by_placement["zigzag"]
-    assert seq[13] == "0" and zigzag[13] == "0"  # padding: none (128K is divisible by 16)
+    assert seq[14] == "0" and zigzag[14] == "0"  # padding: none (128K is divisible by 16)
     assert zigzag[12] == "100.0 %"
     assert float(seq[9]) < float(zigzag[9])  # inter-node MiB
     assert seq[10] == seq[9]  # hybrid: one member per node, forwarding changes nothing
