@@ -48,7 +48,7 @@ Ranges = Tuple[Tuple[int, int], ...]  # disjoint, increasing in-document ranges 
 _HEAVY = 0.001
 # Between nodes, a heavy item of at most this fraction of the smaller side's tokens is never cut: when it fits
 # neither side whole it joins the light items, whose phase fills rooms exactly by choosing and exchanging items.
-_SHORT = 0.02
+_SHORT = 0.05
 # ... and neither is a document of at most this many tokens (whose cut would buy nearly no balance).
 _SHORT_TOKENS = 64
 # The shortest items holding this fraction of a bisection's tokens are shared in proportion to the sides' rooms.
@@ -448,7 +448,11 @@ def _bisect_items(items: List[_Item], rooms: Tuple[int, int], targets: Tuple[flo
 
 
 def _split(items: List[_Item], groups: list, caps: Sequence[int], targets: Sequence[float]) -> List[List[_Item]]:
-    """Recursive bisection over a tree of bins: ``groups`` is a bin index or a list of subtrees."""
+    """Recursive bisection over a tree of bins: ``groups`` is a bin index or a list of subtrees.
+
+    Each side's bin targets are rescaled to the area the side actually received, so a bisection's error
+    is shared by all the bins below it instead of landing on the last bin split (a node 0.3 % over its
+    target made one of its 8 members 2.2 % over)."""
     if isinstance(groups, int):
         return [items]
     if len(groups) == 1:
@@ -458,7 +462,14 @@ def _split(items: List[_Item], groups: list, caps: Sequence[int], targets: Seque
     lb, rb = _leaves(left), _leaves(right)
     sides = _bisect_items(items, (sum(caps[b] for b in lb), sum(caps[b] for b in rb)),
                           (sum(targets[b] for b in lb), sum(targets[b] for b in rb)), not isinstance(groups[0], int))
-    return _split(sides[0], left, caps, targets) + _split(sides[1], right, caps, targets)
+    scaled = list(targets)
+    for side, leaves in zip(sides, (lb, rb)):
+        wanted = sum(targets[b] for b in leaves)
+        if wanted > 0:
+            factor = sum(it.area for it in side) / wanted
+            for b in leaves:
+                scaled[b] = targets[b] * factor
+    return _split(sides[0], left, caps, scaled) + _split(sides[1], right, caps, scaled)
 
 
 def _leaves(groups: object) -> List[int]:
