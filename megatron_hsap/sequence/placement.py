@@ -48,7 +48,7 @@ Ranges = Tuple[Tuple[int, int], ...]  # disjoint, increasing in-document ranges 
 _HEAVY = 0.001
 # Between nodes, a heavy item of at most this fraction of the smaller side's tokens is never cut: when it fits
 # neither side whole it joins the light items, whose phase fills rooms exactly by choosing and exchanging items.
-_SHORT = 0.05
+_SHORT = 0.02
 # ... and neither is a document of at most this many tokens (whose cut would buy nearly no balance).
 _SHORT_TOKENS = 64
 # The shortest items holding this fraction of a bisection's tokens are shared in proportion to the sides' rooms.
