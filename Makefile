@@ -6,7 +6,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 TORCH_CPU := torch==2.13.0
 
-.PHONY: venv demo test bench clean
+.PHONY: venv demo test bench clean venv-bridge test-bridge
 
 $(VENV)/.installed: setup.cfg pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -23,5 +23,28 @@ demo: venv
 test: venv
 	$(PY) -m pytest
 
+# Megatron-Bridge integration (docs/bridge.md): its own environment, because Bridge pins its own
+# dependency set. megatron-bridge 0.3.1 is installed without its dependencies (they would pull CUDA
+# wheels); the list below is what its CPU path imports.
+BRIDGE_VENV := .venv-bridge
+BRIDGE_PY := $(BRIDGE_VENV)/bin/python
+BRIDGE_DEPS := megatron-core==0.16.1 einops "transformers<5" "huggingface_hub<1.0" "datasets>=2.20" \
+	"omegaconf>=2.3" rich "tensorboard>=2.19" nvidia-modelopt "nvidia-resiliency-ext~=0.4.1" "six>=1.17" \
+	regex pyyaml tqdm pytest hypothesis pytest-timeout psutil
+
+$(BRIDGE_VENV)/.installed: setup.cfg pyproject.toml
+	$(PYTHON) -m venv $(BRIDGE_VENV)
+	$(BRIDGE_PY) -m pip install -q --upgrade pip
+	$(BRIDGE_PY) -m pip install -q $(TORCH_CPU)
+	$(BRIDGE_PY) -m pip install -q $(TORCH_CPU) $(BRIDGE_DEPS)
+	$(BRIDGE_PY) -m pip install -q --no-deps megatron-bridge==0.3.1
+	$(BRIDGE_PY) -m pip install -q --no-deps -e .
+	touch $@
+
+venv-bridge: $(BRIDGE_VENV)/.installed
+
+test-bridge: venv-bridge
+	$(BRIDGE_PY) -m pytest tests/bridge
+
 clean:
-	rm -rf $(VENV) *.egg-info runs checkpoints data_cache
+	rm -rf $(VENV) $(BRIDGE_VENV) *.egg-info runs checkpoints data_cache

@@ -13,9 +13,13 @@ import os
 import sys
 import traceback
 
-from megatron_hsap.training import progress
-from megatron_hsap.training.arguments import parse_args
-from megatron_hsap.training.launch import launched_by_torchrun, spawn_local_ranks
+from megatron_hsap.training.quiet import fallback_summary, quiet_rank
+
+quiet_rank(int(os.environ.get("RANK", "0")))  # before anything imports Megatron-Core (as Megatron-LM's pretrain_gpt)
+
+from megatron_hsap.training import progress  # noqa: E402
+from megatron_hsap.training.arguments import parse_args  # noqa: E402
+from megatron_hsap.training.launch import launched_by_torchrun, spawn_local_ranks  # noqa: E402
 
 
 def run_rank(args: argparse.Namespace) -> int:
@@ -40,6 +44,9 @@ def run_rank(args: argparse.Namespace) -> int:
 
 def main() -> int:
     args = parse_args()
+    if int(os.environ.get("RANK", "0")) == 0:
+        for line in filter(None, [fallback_summary()] + [f"megatron-hsap: {note}" for note in args.compat_notes]):
+            print(line, flush=True)
     if launched_by_torchrun():
         return run_rank(args)
     return spawn_local_ranks(args.nproc or 1, run_rank, args, args.rank_failure_grace_seconds)

@@ -1,7 +1,8 @@
 """The two communication patterns of context-parallel attention, with byte accounting.
 
 - Ulysses all-to-all inside a ring member: ``[t_local, h, d]`` on each rank <->
-  ``[ulysses_size * t_local, h / ulysses_size, d]`` (the member's tokens, a slice of heads).
+  ``[ulysses_size * t_local, h_r, d]`` (the member's tokens, rank r's slice of heads; the slices
+  may differ in size by one head, see ``megatron_hsap.head_split``).
 - Ring exchanges between members: one *slot* of point-to-point messages (sends to some
   members, receives from others) posted as one ``batch_isend_irecv``, asynchronously so the
   caller overlaps compute.
@@ -16,6 +17,7 @@ whether the peer is on the same node, and every post/wait in ``instrumentation.t
 
 from __future__ import annotations
 
+import math
 from typing import List, Optional, Sequence, Tuple
 
 import torch
@@ -30,60 +32,63 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-def all_to_all_member(send: torch.Tensor, topology: CPTopology, op: str,
-                      out: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """all_to_all over the Ulysses group of a contiguous ``[U, ...]`` tensor: chunk i goes to Ulysses
-    rank i, chunk i of the result came from Ulysses rank i. ``out``: an optional preallocated
-    contiguous receive buffer of ``send``'s shape and dtype (returned)."""
+def all_to_all_member(send: torch.Tensor, topology: CPTopology, op: str, out: Optional[torch.Tensor] = None,
+                      send_rows: Optional[Sequence[int]] = None,
+                      recv_rows: Optional[Sequence[int]] = None) -> torch.Tensor:
+    """all_to_all over the Ulysses group, split along dim 0: ``send_rows[i]`` rows go to Ulysses rank i and
+    ``recv_rows[i]`` rows of the result came from it (None = ``U`` equal chunks; uneven splits use
+    ``all_to_all_single``'s split sizes, which NCCL and gloo both support). ``out``: an optional
+    preallocated contiguous receive buffer (returned)."""
     if not send.is_contiguous():
         raise ValueError("all_to_all_member needs a contiguous send buffer")
+    u = topology.ulysses_size
     if out is None:
-        out = torch.empty_like(send)
+        rows = send.shape[0] if recv_rows is None else sum(recv_rows)
+        out = send.new_empty((rows,) + tuple(send.shape[1:]))
     trace_event("post", op)
-    dist.all_to_all_single(out, send, group=topology.ulysses_group)
+    dist.all_to_all_single(out, send, output_split_sizes=None if recv_rows is None else list(recv_rows),
+                           input_split_sizes=None if send_rows is None else list(send_rows),
+                           group=topology.ulysses_group)
     me = topology.cp_rank
-    chunk_bytes = _nbytes(send) // topology.ulysses_size
-    for peer in topology.ring_member_ranks(topology.ring_rank):
+    row_bytes = math.prod(send.shape[1:]) * send.element_size()
+    for i, peer in enumerate(topology.ring_member_ranks(topology.ring_rank)):
         if peer != me:
             intra = topology.same_node(me, peer)
-            record_send(op, chunk_bytes, intra)
-            record_recv(op, chunk_bytes, intra)
+            record_send(op, (send.shape[0] // u if send_rows is None else send_rows[i]) * row_bytes, intra)
+            record_recv(op, (out.shape[0] // u if recv_rows is None else recv_rows[i]) * row_bytes, intra)
     return out
 
 
-def sequence_to_heads(x: torch.Tensor, topology: CPTopology, op: str = "ulysses_a2a",
-                      out: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """``[t_local, U, h_u, d]`` (this rank's tokens, heads grouped by destination) ->
-    ``[U * t_local, h_u, d]`` (the member's tokens in CP-rank order, this rank's head group).
-    One copy into the destination-major send buffer, none when ``x`` is the transpose of a
-    contiguous ``[U, t_local, h_u, d]``. ``out``: optional contiguous ``[U * t_local, h_u, d]`` receive buffer."""
-    t, u, h, d = x.shape
-    recv = None if out is None else out.view(u, t, h, d)
-    return all_to_all_member(x.transpose(0, 1).contiguous(), topology, op, recv).view(u * t, h, d)
+def sequence_to_heads(x: torch.Tensor, topology: CPTopology, counts: Sequence[int], op: str = "ulysses_a2a"
+                      ) -> torch.Tensor:
+    """``[t_local, H, d]`` (this rank's tokens, all heads) -> ``[U * t_local, counts[me], d]`` (the member's tokens
+    in CP-rank order, this rank's heads). Ulysses rank i takes the next ``counts[i]`` heads (``HeadSplit``'s
+    contiguous ranges). One copy into the destination-major send buffer."""
+    t, _, d = x.shape
+    send = x.new_empty(t * d * sum(counts))
+    offset = at = 0
+    for c in counts:
+        send[at:at + t * c * d].view(t, c, d).copy_(x[:, offset:offset + c])
+        offset, at = offset + c, at + t * c * d
+    mine = counts[topology.ulysses_rank]
+    recv = all_to_all_member(send, topology, op, send_rows=[t * c * d for c in counts],
+                             recv_rows=[t * mine * d] * len(counts))
+    return recv.view(len(counts) * t, mine, d)
 
 
-def heads_to_sequence(x: torch.Tensor, topology: CPTopology, op: str = "ulysses_a2a",
-                      out: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """Inverse of ``sequence_to_heads``: ``[U * t_local, h_u, d]`` -> ``[t_local, U, h_u, d]`` (a view
-    of the all-to-all's output; ``out``: optional contiguous ``[U, t_local, h_u, d]`` receive buffer)."""
-    u = topology.ulysses_size
+def heads_to_sequence(x: torch.Tensor, topology: CPTopology, counts: Sequence[int], op: str = "ulysses_a2a"
+                      ) -> torch.Tensor:
+    """Inverse of ``sequence_to_heads``: ``[U * t_local, counts[me], d]`` -> ``[t_local, sum(counts), d]``."""
     ut, h, d = x.shape
-    return all_to_all_member(x.contiguous().view(u, ut // u, h, d), topology, op, out).transpose(0, 1)
-
-
-class UlyssesAllToAll(torch.autograd.Function):
-    """Differentiable all-to-all: ``to_heads=True`` is ``sequence_to_heads``, False its inverse;
-    the gradient of each is the other."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, topology: CPTopology, to_heads: bool) -> torch.Tensor:
-        ctx.topology, ctx.to_heads = topology, to_heads
-        return (sequence_to_heads if to_heads else heads_to_sequence)(x, topology)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        inverse = heads_to_sequence if ctx.to_heads else sequence_to_heads
-        return inverse(grad, ctx.topology, "ulysses_a2a_bwd"), None, None
+    t = ut // len(counts)
+    recv = all_to_all_member(x.contiguous().view(-1), topology, op, send_rows=[t * h * d] * len(counts),
+                             recv_rows=[t * c * d for c in counts])
+    out = x.new_empty(t, sum(counts), d)
+    offset = at = 0
+    for c in counts:
+        out[:, offset:offset + c].copy_(recv[at:at + t * c * d].view(t, c, d))
+        offset, at = offset + c, at + t * c * d
+    return out
 
 
 class PendingSlot:

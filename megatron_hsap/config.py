@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
+from megatron_hsap.head_split import check_head_chunk_size
+
 MODES = ("ring", "ulysses", "hybrid", "hsap")
 LAYOUTS = ("zigzag", "contiguous", "sequence-aware")
 KERNELS = ("auto", "torch", "cpu_fused", "flash", "te")
@@ -89,13 +91,5 @@ class ContextParallelConfig:
     def resolve_head_chunk_size(self, num_heads: int, ulysses_size: int) -> int:
         """Query heads per UPipe stage (as seen by this TP rank); validated here, before any collective."""
         if self.head_chunk_size is None:
-            chunk = ulysses_size if self.mode == "hsap" else num_heads
-        else:
-            chunk = self.head_chunk_size
-        if chunk % ulysses_size != 0:
-            raise ValueError(f"head_chunk_size={chunk} must be a multiple of ulysses_size={ulysses_size}")
-        if num_heads % chunk != 0:
-            allowed = [u for u in range(ulysses_size, num_heads + 1, ulysses_size) if num_heads % u == 0]
-            raise ValueError(f"head_chunk_size={chunk} must divide the number of query heads per TP rank ({num_heads}); "
-                             f"allowed values: {allowed}")
-        return chunk
+            return min(ulysses_size, num_heads) if self.mode == "hsap" else num_heads
+        return check_head_chunk_size(self.head_chunk_size, num_heads, ulysses_size)

@@ -13,15 +13,15 @@ from __future__ import annotations
 import os
 import warnings
 from dataclasses import dataclass
-from typing import Any, Optional, Tuple
+from typing import Any, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 
 from megatron_hsap.config import ContextParallelConfig
 
-__all__ = ["CPTopology", "initialize_model_parallel", "destroy_model_parallel", "get_cp_topology",
-           "get_cp_config", "cp_topology_is_initialized"]
+__all__ = ["CPTopology", "initialize_model_parallel", "attach_cp_topology", "cp_layout", "hierarchical_cp_sizes",
+           "destroy_model_parallel", "get_cp_topology", "get_cp_config", "cp_topology_is_initialized"]
 
 
 @dataclass(frozen=True)
@@ -122,7 +122,6 @@ def initialize_model_parallel(tensor_model_parallel_size: int = 1, pipeline_mode
     world size); tests set it to emulate several nodes on one machine. Every argument is
     validated on every rank before the first group is created.
     """
-    global _TOPOLOGY, _CP_CONFIG, _WARNED_SPAN
     from megatron.core import parallel_state as mpu
 
     if not dist.is_initialized():
@@ -139,44 +138,124 @@ def initialize_model_parallel(tensor_model_parallel_size: int = 1, pipeline_mode
     if world % (tp * pp * cp) != 0:
         raise ValueError(f"world size {world} is not divisible by tensor_model_parallel_size ({tp}) x "
                          f"pipeline_model_parallel_size ({pp}) x context_parallel_size ({cp})")
-    if ranks_per_node is None:
-        ranks_per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-    if not isinstance(ranks_per_node, int) or ranks_per_node < 1:
-        raise ValueError(f"ranks_per_node={ranks_per_node!r} must be a positive int")
+    ranks_per_node = _resolve_ranks_per_node(ranks_per_node, world)
     if "hierarchical_context_parallel_sizes" in megatron_kwargs:
         raise ValueError("hierarchical_context_parallel_sizes is derived from cp_config (ulysses_size); do not pass it")
     if megatron_kwargs.get("order", "tp-cp-ep-dp-pp") != "tp-cp-ep-dp-pp":
         raise ValueError("only Megatron's default rank order 'tp-cp-ep-dp-pp' is supported")
 
-    # CP group members are TP ranks apart (rank order tp-cp-...): derive nodes before any collective.
+    cp_global_ranks, node_of_cp_rank, ulysses = cp_layout(rank, tp, cp, ranks_per_node, cp_config)
+    mpu.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                  context_parallel_size=cp,
+                                  hierarchical_context_parallel_sizes=hierarchical_cp_sizes(cp, ulysses),
+                                  **megatron_kwargs)
+    return _topology_over_megatron_groups(cp_global_ranks, node_of_cp_rank, ulysses, cp_config, ranks_per_node)
+
+
+def hierarchical_cp_sizes(context_parallel_size: int, ulysses_size: int) -> Optional[List[int]]:
+    """Megatron's ``hierarchical_context_parallel_sizes`` for these sizes: [Ulysses, ring] (None without CP)."""
+    if context_parallel_size == 1:
+        return None
+    return [ulysses_size, context_parallel_size // ulysses_size]
+
+
+def cp_layout(rank: int, tp: int, cp: int, ranks_per_node: int, cp_config: ContextParallelConfig
+               ) -> Tuple[Tuple[int, ...], Tuple[int, ...], int]:
+    """(global ranks of this rank's CP group, node of each, Ulysses size), from rank arithmetic only.
+
+    CP group members are TP ranks apart (Megatron's rank order tp-cp-...), so this needs no collective.
+    """
     first_of_group = (rank // (tp * cp)) * (tp * cp) + rank % tp
     cp_global_ranks = tuple(first_of_group + i * tp for i in range(cp))
     node_of_cp_rank = tuple(g // ranks_per_node for g in cp_global_ranks)
-    cp_ranks_per_node = _largest_in_node_divisor(node_of_cp_rank)
-    ulysses = cp_config.resolve_ulysses_size(cp, cp_ranks_per_node)
-    ring = cp // ulysses
+    ulysses = cp_config.resolve_ulysses_size(cp, _largest_in_node_divisor(node_of_cp_rank))
+    return cp_global_ranks, node_of_cp_rank, ulysses
 
-    mpu.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                                  context_parallel_size=cp,
-                                  hierarchical_context_parallel_sizes=[ulysses, ring] if cp > 1 else None,
-                                  **megatron_kwargs)
-    if cp > 1:
+
+def _topology_over_megatron_groups(cp_global_ranks: Tuple[int, ...], node_of_cp_rank: Tuple[int, ...], ulysses: int,
+                                   cp_config: ContextParallelConfig, ranks_per_node: int) -> CPTopology:
+    """The topology over the CP and hierarchical CP groups ``initialize_model_parallel`` just had Megatron build."""
+    from megatron.core import parallel_state as mpu
+
+    if len(cp_global_ranks) > 1:
         ulysses_group, ring_group = mpu.get_hierarchical_context_parallel_groups()
     else:
         ulysses_group = ring_group = mpu.get_context_parallel_group()
     assert tuple(mpu.get_context_parallel_global_ranks()) == cp_global_ranks, "unexpected Megatron CP rank order"
-    if cp > 1:
+    return _record_topology(cp_global_ranks, node_of_cp_rank, ulysses, ulysses_group, ring_group, cp_config,
+                            ranks_per_node)
+
+
+def attach_cp_topology(cp_config: ContextParallelConfig = ContextParallelConfig(),
+                       ranks_per_node: Optional[int] = None) -> CPTopology:
+    """The HSAP topology on top of Megatron-Core groups that another framework built (Megatron-LM's
+    ``initialize_megatron``, Megatron-Bridge), for any rank order. Call it on every rank.
+
+    Megatron's hierarchical CP groups are reused when their sizes are ``[ulysses, ring]``; otherwise the
+    Ulysses and ring sub-groups are created here (one world all-gather, then ``new_group`` calls that every
+    rank makes in the same order).
+    """
+    from megatron.core import parallel_state as mpu
+
+    if not mpu.model_parallel_is_initialized():
+        raise RuntimeError("Megatron-Core's model parallel groups are not initialized; call attach_cp_topology "
+                           "after initialize_model_parallel (or use megatron_hsap's initialize_model_parallel)")
+    if not isinstance(cp_config, ContextParallelConfig):
+        raise ValueError(f"cp_config must be a ContextParallelConfig, got {type(cp_config).__name__}")
+    world = dist.get_world_size()
+    ranks_per_node = _resolve_ranks_per_node(ranks_per_node, world)
+    cp_global_ranks = tuple(mpu.get_context_parallel_global_ranks())
+    cp = len(cp_global_ranks)
+    node_of_cp_rank = tuple(g // ranks_per_node for g in cp_global_ranks)
+    ulysses = cp_config.resolve_ulysses_size(cp, _largest_in_node_divisor(node_of_cp_rank))
+    ring = cp // ulysses
+    if cp == 1:
+        ulysses_group = ring_group = mpu.get_context_parallel_group()
+    else:
+        built = mpu.get_hierarchical_context_parallel_groups(check_initialized=False)
+        if built is not None and [dist.get_world_size(g) for g in built] == [ulysses, ring]:
+            ulysses_group, ring_group = built
+        else:
+            all_cp_groups: List[Tuple[int, ...]] = [()] * world
+            dist.all_gather_object(all_cp_groups, cp_global_ranks)
+            cp_groups = sorted(set(all_cp_groups))
+            ulysses_group, _ = dist.new_subgroups_by_enumeration(
+                [list(g[i * ulysses:(i + 1) * ulysses]) for g in cp_groups for i in range(ring)])
+            ring_group, _ = dist.new_subgroups_by_enumeration(
+                [list(g[u::ulysses]) for g in cp_groups for u in range(ulysses)])
+    return _record_topology(cp_global_ranks, node_of_cp_rank, ulysses, ulysses_group, ring_group, cp_config,
+                            ranks_per_node)
+
+
+def _record_topology(cp_global_ranks: Tuple[int, ...], node_of_cp_rank: Tuple[int, ...], ulysses: int,
+                     ulysses_group: Any, ring_group: Any, cp_config: ContextParallelConfig,
+                     ranks_per_node: int) -> CPTopology:
+    """Make this rank's CPTopology the current one (groups joined eagerly; one warning if Ulysses spans nodes)."""
+    global _TOPOLOGY, _CP_CONFIG, _WARNED_SPAN
+    from megatron.core import parallel_state as mpu
+
+    if len(cp_global_ranks) > 1:
         _join_groups_eagerly((ulysses_group, ring_group))
-    topo = CPTopology(cp_size=cp, ulysses_size=ulysses, node_of_cp_rank=node_of_cp_rank,
+    topo = CPTopology(cp_size=len(cp_global_ranks), ulysses_size=ulysses, node_of_cp_rank=node_of_cp_rank,
                       cp_rank=mpu.get_context_parallel_rank(), cp_global_ranks=cp_global_ranks,
                       cp_group=mpu.get_context_parallel_group(), ulysses_group=ulysses_group, ring_group=ring_group,
                       config=cp_config)
-    if topo.ulysses_spans_nodes() and rank == 0 and not _WARNED_SPAN:
+    if topo.ulysses_spans_nodes() and dist.get_rank() == 0 and not _WARNED_SPAN:
         _WARNED_SPAN = True
         warnings.warn(f"Ulysses groups of size {ulysses} span several nodes (ranks_per_node={ranks_per_node}, "
-                      f"tensor_model_parallel_size={tp}); the all-to-all will cross the slow links", stacklevel=2)
+                      f"tensor_model_parallel_size={mpu.get_tensor_model_parallel_world_size()}); the all-to-all "
+                      "will cross the slow links", stacklevel=3)
     _TOPOLOGY, _CP_CONFIG = topo, cp_config
     return topo
+
+
+def _resolve_ranks_per_node(ranks_per_node: Optional[int], world: int) -> int:
+    """The explicit value, else torchrun's LOCAL_WORLD_SIZE, else the world size; must be a positive int."""
+    if ranks_per_node is None:
+        ranks_per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    if not isinstance(ranks_per_node, int) or ranks_per_node < 1:
+        raise ValueError(f"ranks_per_node={ranks_per_node!r} must be a positive int")
+    return ranks_per_node
 
 
 def _join_groups_eagerly(groups: Tuple[Any, ...]) -> None:

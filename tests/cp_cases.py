@@ -1,8 +1,8 @@
 """One distributed attention case against the fp64 reference, shared by the CP test files.
 
 ``attention_case`` draws fp64 inputs from a seed (the same on every rank), runs this rank's shards
-through ``context_parallel_attention`` forward and backward in ``dtype``, and gathers the global
-output and gradients on every rank; ``reference_errors`` compares them with the independent dense
+through ``context_parallel_attention`` forward and backward in ``dtype`` (``local_attention_case``,
+which also counts the forward's bytes), and gathers the global output and gradients on every rank; ``reference_errors`` compares them with the independent dense
 reference (``tests/reference.py``), on whichever rank calls it.
 """
 
@@ -15,20 +15,28 @@ import torch
 from tests.reference import dense_attention
 
 
-def attention_case(plan, h_q: int, h_kv: int, head_dim: int, dtype: torch.dtype, causal: bool, seed: int
-                   ) -> Tuple[List[torch.Tensor], List[torch.Tensor]]:
-    """Returns (global [out, dq, dk, dv] in fp64 on every rank, fp64 inputs [q, k, v, dout])."""
+def local_attention_case(plan, h_q: int, h_kv: int, head_dim: int, dtype: torch.dtype, causal: bool, seed: int):
+    """This rank's side of ``attention_case``: returns (local [out, dq, dk, dv] in ``dtype``, fp64 inputs
+    [q, k, v, dout], the forward's ``CommStats``)."""
     from megatron_hsap.attention import context_parallel_attention
+    from megatron_hsap.instrumentation import count_comm
 
     gen = torch.Generator().manual_seed(seed)
     total = plan.total_tokens
     q, k, v = (torch.randn(total, h, head_dim, generator=gen, dtype=torch.float64) for h in (h_q, h_kv, h_kv))
     dout = torch.randn(total, h_q, head_dim, generator=gen, dtype=torch.float64)
     local = [plan.shard(x).to(dtype).requires_grad_() for x in (q, k, v)]
-    out = context_parallel_attention(*local, plan, causal=causal)
+    with count_comm() as measured:
+        out = context_parallel_attention(*local, plan, causal=causal)
     out.backward(plan.shard(dout).to(dtype))
-    got = [plan.unshard(t).double() for t in (out, local[0].grad, local[1].grad, local[2].grad)]
-    return got, [q, k, v, dout]
+    return [out.detach()] + [x.grad for x in local], [q, k, v, dout], measured
+
+
+def attention_case(plan, h_q: int, h_kv: int, head_dim: int, dtype: torch.dtype, causal: bool, seed: int
+                   ) -> Tuple[List[torch.Tensor], List[torch.Tensor]]:
+    """Returns (global [out, dq, dk, dv] in fp64 on every rank, fp64 inputs [q, k, v, dout])."""
+    local, inputs, _ = local_attention_case(plan, h_q, h_kv, head_dim, dtype, causal, seed)
+    return [plan.unshard(t).double() for t in local], inputs
 
 
 def reference_errors(got: List[torch.Tensor], inputs: List[torch.Tensor], cu_seqlens: torch.Tensor, causal: bool,

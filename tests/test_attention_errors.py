@@ -32,9 +32,8 @@ def _errors_on_every_rank(mode: str, ulysses_size, ranks_per_node: int) -> List[
     plan = plan_batch(cu_seqlens_from_lengths([40, 24]), topo, "zigzag")
     t = plan.tokens_per_rank
     good = torch.randn(t, 8, 16)
-    odd = torch.randn(t, 2 * topo.ulysses_size + 1, 16)
     cases = {
-        "heads not divisible by ulysses": (odd, odd, odd),
+        "more kv heads than query heads": (torch.randn(t, 4, 16), good, good),
         "kv heads not dividing q heads": (good, torch.randn(t, 3, 16), torch.randn(t, 3, 16)),
         "wrong length": (torch.randn(t + 1, 8, 16), good, good),
         "wrong rank of tensor": (torch.randn(t, 128), good, good),
@@ -45,8 +44,6 @@ def _errors_on_every_rank(mode: str, ulysses_size, ranks_per_node: int) -> List[
     }
     messages = []
     for name, (q, k, v) in cases.items():
-        if name == "heads not divisible by ulysses" and topo.ulysses_size == 1:
-            continue
         with pytest.raises(ValueError) as info:
             context_parallel_attention(q, k, v, plan)
         messages.append(f"{name}: {info.value}")
@@ -59,12 +56,10 @@ def test_bad_attention_input_raises_on_every_rank(mode, ulysses_size):
     results = run_distributed(_errors_on_every_rank, 4, mode, ulysses_size, 4, timeout=180)
     assert all(r == results[0] for r in results), "every rank must raise the same error"
     text = "\n".join(results[0])
-    assert len(results[0]) == (8 if mode != "ring" else 7)
-    for expected in ("divisible by ulysses_size=", "must be a multiple of", "plan.tokens_per_rank",
-                     "[t_local, heads, head_dim]", "not supported; allowed", "share one dtype", "one device",
-                     "same shape"):
-        if expected == "divisible by ulysses_size=" and mode == "ring":
-            continue
+    assert len(results[0]) == 8
+    for expected in ("num_heads_kv=8 must not exceed num_heads_q=4", "num_heads_q=8 must be a multiple of "
+                     "num_heads_kv=3", "plan.tokens_per_rank", "[t_local, heads, head_dim]", "not supported; allowed",
+                     "share one dtype", "one device", "same shape"):
         assert expected in text, f"missing error mentioning {expected!r} in:\n{text}"
 
 

@@ -18,11 +18,13 @@ from typing import Dict, List, Optional
 import pytest
 import torch
 
+from tests.cp_cases import local_attention_case
 from tests.distributed import run_distributed
 from tests.reference import dense_attention, hard_cases
 
 LAYOUTS = ("zigzag", "contiguous", "sequence-aware")
-# (h_q, h_kv) per Ulysses size: MHA, GQA, and KV heads fewer than the Ulysses size (replicated).
+# (h_q, h_kv) per Ulysses size: MHA, GQA, and KV heads fewer than the Ulysses size (shared by ranks);
+# uneven counts are tests/test_uneven_heads.py's.
 HEAD_SHAPES = {1: [(4, 4), (8, 2), (8, 1)], 2: [(4, 4), (8, 2), (8, 1)], 3: [(6, 6), (6, 3), (6, 1)],
                4: [(4, 4), (8, 2), (8, 1)], 8: [(8, 8), (16, 4), (8, 1)]}
 HEAD_DIMS = (64, 17)
@@ -32,9 +34,7 @@ TOL = {torch.float64: 1e-10, torch.float32: 2e-5}
 def _run_cases(mode: str, ulysses_size: Optional[int], ranks_per_node: int, layouts: List[str]) -> Dict[str, float]:
     import torch.distributed as dist
 
-    from megatron_hsap.attention import context_parallel_attention
     from megatron_hsap.config import ContextParallelConfig
-    from megatron_hsap.instrumentation import count_comm
     from megatron_hsap.parallel_state import initialize_model_parallel
     from megatron_hsap.sequence.doc_lengths import cu_seqlens_from_lengths
     from megatron_hsap.sequence.plan import plan_batch
@@ -51,24 +51,16 @@ def _run_cases(mode: str, ulysses_size: Optional[int], ranks_per_node: int, layo
         (h_q, h_kv), d, causal, dtype = next(combos)
         cu = cu_seqlens_from_lengths(lengths)
         plan = plan_batch(cu, topo, layout)
-        total = sum(lengths)
-        gen = torch.Generator().manual_seed(case_index)  # same inputs on every rank
-        q, k, v = (torch.randn(total, h, d, generator=gen, dtype=torch.float64) for h in (h_q, h_kv, h_kv))
-        dout = torch.randn(total, h_q, d, generator=gen, dtype=torch.float64)
-        local = [plan.shard(x).to(dtype).requires_grad_() for x in (q, k, v)]
-        with count_comm() as measured:
-            out = context_parallel_attention(*local, plan, causal=causal)
-        out.backward(plan.shard(dout).to(dtype))
+        local, (q, k, v, dout), measured = local_attention_case(plan, h_q, h_kv, d, dtype, causal, case_index)
         valid = plan.valid_mask
-        padding_nonzero = max([t[~valid].abs().max().item() if (~valid).any() else 0.0
-                               for t in (out, local[0].grad, local[1].grad, local[2].grad)])
+        padding_nonzero = max([t[~valid].abs().max().item() if (~valid).any() else 0.0 for t in local])
         stats = plan.stats(h_q, h_kv, d, dtype, causal=causal)
         c = topo.cp_rank
         predicted = (stats.send_bytes_intra[c], stats.send_bytes_inter[c], stats.recv_bytes_intra[c],
                      stats.recv_bytes_inter[c])
         bytes_match = predicted == (measured.send_bytes_intra, measured.send_bytes_inter,
                                     measured.recv_bytes_intra, measured.recv_bytes_inter)
-        globals_ = [plan.unshard(t) for t in (out, local[0].grad, local[1].grad, local[2].grad)]
+        globals_ = [plan.unshard(t) for t in local]
         key = f"{name}/{layout}/h{h_q}:{h_kv}/d{d}/{'causal' if causal else 'full'}/{str(dtype)[6:]}"
         if c == 0:
             ref_in = [x.clone().requires_grad_() for x in (q, k, v)]

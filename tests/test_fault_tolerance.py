@@ -27,7 +27,7 @@ import pytest
 from tests.test_training_pretrain import ROOT, SCRIPT, _run
 
 TINY = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "64",
-        "--lr-warmup-iters", "1", "--no-progress-bar"]
+        "--lr-warmup-iters", "1", "--no-progress-bar", "--eval-iters", "0"]
 ITERS = 5
 #: --rank-failure-grace-seconds used by the rank-death test, and the bound it asserts on top of it.
 GRACE_SECONDS = 3.0

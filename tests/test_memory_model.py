@@ -13,9 +13,12 @@ from tests.distributed import run_distributed, run_distributed_fresh
 TOL = 0.05
 
 
-def _attention_case(cases: List[Tuple[int, int, int, int, int]]) -> List[Tuple[int, Tuple[int, int]]]:
+def _attention_case(cases: List[Tuple[int, int, int, int, int]], ulysses_size: int = 0
+                    ) -> List[Tuple[int, Tuple[int, int], int]]:
     """bf16 ``head_chunked_attention`` fwd + bwd peak per case (t_local, H, H_kv, d, U), hidden = H*d, weight
-    gradient into main_grad; measured on the second run (the kernel's cached tile masks exist by then)."""
+    gradient into main_grad; measured on the second run (the kernel's cached tile masks exist by then).
+    ulysses_size 0: Ulysses over all ranks; else hybrid, one node per Ulysses group, a ring across.
+    Returns (peak bytes, largest kernel tile, K/V rows received over the ring) per case."""
     import torch.distributed as dist
 
     from megatron_hsap.attention.upipe import head_chunked_attention, rope_angles
@@ -27,8 +30,9 @@ def _attention_case(cases: List[Tuple[int, int, int, int, int]]) -> List[Tuple[i
     from megatron_hsap.sequence.plan import plan_batch
 
     cp = dist.get_world_size()
-    topo = initialize_model_parallel(context_parallel_size=cp,
-                                     cp_config=ContextParallelConfig(mode="ulysses", kernel="torch"))
+    config = ContextParallelConfig(mode="hybrid", ulysses_size=ulysses_size, kernel="torch") if ulysses_size else \
+        ContextParallelConfig(mode="ulysses", kernel="torch")
+    topo = initialize_model_parallel(context_parallel_size=cp, ranks_per_node=ulysses_size or None, cp_config=config)
     out_rows = []
     for t, h, h_kv, d, u in cases:
         plan = plan_batch(cu_seqlens_from_lengths([t * cp]), topo, "zigzag")
@@ -49,7 +53,8 @@ def _attention_case(cases: List[Tuple[int, int, int, int, int]]) -> List[Tuple[i
                 del out
                 weight.grad = None
             hidden.grad = None
-        out_rows.append((mem.peak_bytes, (max(x.q1 - x.q0 for x in tiles), max(x.k1 - x.k0 for x in tiles))))
+        remote = sum(r.num_rows for r in plan.member_schedule(True).recv_steps)
+        out_rows.append((mem.peak_bytes, (max(x.q1 - x.q0 for x in tiles), max(x.k1 - x.k0 for x in tiles)), remote))
     return out_rows
 
 
@@ -61,7 +66,7 @@ def test_attention_block_within_5_percent():
     from megatron_hsap.instrumentation.memory_model import ModelShape, Parallelism, Training, attention_block_bytes
 
     measured = run_distributed(_attention_case, 2, ATTENTION_CASES, timeout=600)[0]
-    for (t, h, h_kv, d, u), (peak, tile) in zip(ATTENTION_CASES, measured):
+    for (t, h, h_kv, d, u), (peak, tile, _) in zip(ATTENTION_CASES, measured):
         model = ModelShape("case", 1, h * d, h, h_kv, d, 4 * h * d, 64)
         pred = attention_block_bytes(model, Parallelism(cp=2, head_chunk=u), Training(kernel="torch", kernel_tile=tile),
                                      "upipe", t)
@@ -69,6 +74,25 @@ def test_attention_block_within_5_percent():
         print(f"attention t={t} H={h} H_kv={h_kv} d={d} U={u}: measured {peak}, predicted {total} "
               f"({total / peak:.3f})")
         assert abs(total / peak - 1) <= TOL, (t, h, h_kv, d, u, peak, total)
+
+
+def test_ring_attention_block_within_5_percent():
+    """Ulysses 2 x ring 2: the ring's buffers, and the remote rows kept (with fp32 gradient sums) for the stages
+    that share a KV head (U = P, G' = 2), on members that receive all or half of the other member's tokens."""
+    from megatron_hsap.instrumentation.memory_model import ModelShape, Parallelism, Training, attention_block_bytes
+
+    cases = ATTENTION_CASES[:3]
+    per_rank = run_distributed(_attention_case, 4, cases, 2, timeout=600)
+    assert {rows[0][2] for rows in per_rank} == {512, 1024}  # both kinds of member measured
+    for rank, measured in enumerate(per_rank):
+        for (t, h, h_kv, d, u), (peak, tile, remote) in zip(cases, measured):
+            model = ModelShape("case", 1, h * d, h, h_kv, d, 4 * h * d, 64)
+            pred = attention_block_bytes(model, Parallelism(cp=4, ulysses=2, head_chunk=u, remote_kv_rows=remote),
+                                         Training(kernel="torch", kernel_tile=tile), "upipe", t)
+            total = pred["compute"] + pred["communication"]
+            print(f"rank {rank} ring attention t={t} H={h} H_kv={h_kv} d={d} U={u} remote rows {remote}: "
+                  f"measured {peak}, predicted {total} ({total / peak:.3f})")
+            assert abs(total / peak - 1) <= TOL, (rank, t, h, h_kv, d, u, peak, total)
 
 
 def _model_components_body() -> Dict[str, Tuple[int, int]]:

@@ -21,6 +21,7 @@ def _preprocess(*flags: str) -> subprocess.CompletedProcess:
     exit status and output a command line would give."""
     spec = importlib.util.spec_from_file_location("preprocess_data_tool", TOOL)
     tool = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = tool  # --workers pickles the tool's functions by module name
     spec.loader.exec_module(tool)
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
@@ -99,3 +100,42 @@ def test_preprocessed_data_trains(tmp_path):
     records = [json.loads(line) for line in log.read_text().splitlines()]
     assert [r["iteration"] for r in records] == [1, 2, 3]
     assert all(r["cp_bytes_intra"] > 0 for r in records)
+
+
+def test_megatron_lm_command_line_several_keys_and_workers(tmp_path):
+    """Megatron-LM's flags: two --json-keys (one dataset each), --workers 2, and its no-op runtime flags."""
+    records = [{"text": f"text {i}", "title": f"t{i}"} for i in range(300)]  # more than one worker batch
+    src = tmp_path / "corpus.jsonl"
+    src.write_text("".join(json.dumps(r) + "\n" for r in records))
+    result = _preprocess("--input", str(src), "--output-prefix", str(tmp_path / "out"), "--json-keys", "text",
+                         "title", "--append-eod", "--workers", "2", "--partitions", "1", "--log-interval", "100",
+                         "--keep-sequential-samples", "--tokenizer-type", "ByteLevelTokenizer")
+    assert result.returncode == 0, result.stderr
+    for key in ("text", "title"):
+        assert _read(str(tmp_path / f"out_{key}_document")) == [list(r[key].encode()) + [0] for r in records]
+    assert "processed 256 documents" in result.stderr
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--partitions", "2"], "--partitions 2 is not supported; allowed: 1"),
+    (["--split-sentences"], "--split-sentences is not supported"),
+    (["--tokenizer-type", "GPT2BPETokenizer"], "--tokenizer-type GPT2BPETokenizer needs --vocab-file"),
+])
+def test_unsupported_megatron_lm_preprocess_flags(tmp_path, flags, message):
+    src = tmp_path / "corpus.jsonl"
+    src.write_text(json.dumps({"text": "x"}) + "\n")
+    result = _preprocess("--input", str(src), "--output-prefix", str(tmp_path / "out"), *flags)
+    assert result.returncode == 2 and message in result.stderr
+
+
+def test_gpt2_bpe_vocab_and_merges(tmp_path):
+    pytest.importorskip("transformers", reason="GPT2BPETokenizer goes through transformers (not installed)")
+    from tests.test_megatron_flags import write_gpt2_files
+
+    vocab, merges = write_gpt2_files(tmp_path)
+    src = tmp_path / "corpus.jsonl"
+    src.write_text(json.dumps({"text": "hello world"}) + "\n" + json.dumps({"text": "hello"}) + "\n")
+    result = _preprocess("--input", str(src), "--output-prefix", str(tmp_path / "out"), "--vocab-file", vocab,
+                         "--merge-file", merges, "--append-eod")  # GPT2BPETokenizer implied, as in Megatron-LM
+    assert result.returncode == 0, result.stderr
+    assert _read(str(tmp_path / "out_text_document")) == [[12, 13, 4, 7, 3, 8, 0], [12, 0]]

@@ -18,7 +18,7 @@ import json
 import os
 import subprocess
 import sys
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import pytest
 
@@ -45,22 +45,40 @@ def _run(flags: List[str], nproc: int, timeout: float = 420, env: Optional[Dict[
 
 
 def _train(tmp_path, cache_dir: str, nproc: int, *flags: str, name: str = "log") -> List[Dict[str, float]]:
+    """The run's iteration records (its evaluation records: ``_evaluations(tmp_path, name)``). No evaluation
+    unless ``flags`` ask for it (``--eval-iters``)."""
     log = str(tmp_path / f"{name}.jsonl")
     base = ["--train-iters", str(ITERS), "--lr-warmup-iters", "1", "--global-batch-size", "4",
-            "--layout-independent-init", "--no-progress-bar", "--data-cache-path", cache_dir, "--log-json", log]
+            "--layout-independent-init", "--no-progress-bar", "--data-cache-path", cache_dir, "--log-json", log,
+            "--eval-iters", "0"]
     result = _run(base + list(flags), nproc)
     assert result.returncode == 0, \
         f"run failed ({result.returncode}):\n{result.stdout[-3000:]}\n{result.stderr[-5000:]}"
     with open(log) as f:
-        return [json.loads(line) for line in f]
+        return [r for r in map(json.loads, f) if "evaluation" not in r]
+
+
+def _evaluations(tmp_path, name: str = "log") -> List[Dict[str, float]]:
+    with open(tmp_path / f"{name}.jsonl") as f:
+        return [r for r in map(json.loads, f) if "evaluation" in r]
+
+
+#: Validation after iterations 2 and 4, the final validation and the test split, one global batch each.
+EVAL_FLAGS = ["--eval-interval", "2", "--eval-iters", "1"]
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory, cache_dir) -> List[Dict[str, float]]:
-    """The single-rank CP=1 run every other run is compared with."""
-    records = _train(tmp_path_factory.mktemp("ref"), cache_dir, 1)
+def reference_run(tmp_path_factory, cache_dir) -> Tuple[List[Dict[str, float]], List[Dict[str, float]]]:
+    """The single-rank CP=1 run every other run is compared with: (iteration records, evaluation records)."""
+    path = tmp_path_factory.mktemp("ref")
+    records = _train(path, cache_dir, 1, *EVAL_FLAGS)
     assert [r["iteration"] for r in records] == list(range(1, ITERS + 1))
-    return records
+    return records, _evaluations(path)
+
+
+@pytest.fixture(scope="module")
+def reference(reference_run) -> List[Dict[str, float]]:
+    return reference_run[0]
 
 
 def _assert_matches(records: List[Dict[str, float]], reference: List[Dict[str, float]], rtol: float = RTOL) -> None:
@@ -91,15 +109,22 @@ def test_reference_trains(reference):
                  id="ring-cp2-dp2-distopt-recompute"),
     pytest.param(8, ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
                      "--context-parallel-size", "2", "--sequence-parallel", "--context-parallel-mode", "hsap",
-                     "--ranks-per-node", "2"], id="tp2-pp2-cp2-sp-hsap-8ranks"),
+                     "--ranks-per-node", "2"] + EVAL_FLAGS, id="tp2-pp2-cp2-sp-hsap-8ranks-eval"),
 ])
-def test_cp_matches_cp1(tmp_path, cache_dir, reference, nproc, flags):
+def test_cp_matches_cp1(tmp_path, cache_dir, reference_run, nproc, flags):
+    reference, reference_evaluations = reference_run
     records = _train(tmp_path, cache_dir, nproc, *flags)
     assert len(records) == ITERS
     assert all(r["cp_bytes_intra"] + r["cp_bytes_inter"] > 0 for r in records), "CP moved no bytes"
     if "--head-chunk-size" in flags:  # the fused per-head-chunk (UPipe) path did the all-to-alls
         assert all(r["cp_bytes_by_op"].get("upipe_qkv", 0) > 0 for r in records), records[0]["cp_bytes_by_op"]
     _assert_matches(records, reference)
+    if "--eval-iters" in flags:  # forward-only schedule (pipelined here): the same losses as CP=1, PP=1
+        evaluations = _evaluations(tmp_path)
+        assert [(e["evaluation"], e["iteration"]) for e in evaluations] == \
+            [("validation", 2), ("validation", 4), ("validation", 4), ("test", 4)]
+        for got, expected in zip(evaluations, reference_evaluations):
+            assert got["lm_loss"] == pytest.approx(expected["lm_loss"], rel=RTOL, abs=0.0), (got, expected)
 
 
 def test_interleaved_pipeline_matches_pp1(tmp_path, cache_dir):
@@ -147,12 +172,14 @@ def test_bad_flags_fail_fast(nproc, flags, message):
     assert message in result.stderr
 
 
-def test_heads_not_divisible_by_tp_times_ulysses_fails_on_every_rank(cache_dir):
-    # 4 heads / TP 1 is fine for argparse; Ulysses degree 8 (mode ulysses, CP 8) is only known after start-up.
-    result = _run(["--context-parallel-size", "8", "--context-parallel-mode", "ulysses", "--num-attention-heads", "4",
-                   "--hidden-size", "64", "--seq-length", "256", "--data-cache-path", cache_dir], 8, timeout=300)
+def test_head_chunk_not_fitting_the_ulysses_size_fails_on_every_rank(cache_dir):
+    # --head-chunk-size 3 with 12 heads is fine for argparse; Ulysses degree 8 (mode hsap, CP 8) is only known
+    # after start-up. (12 heads over 8 Ulysses ranks is fine: uneven splits, tests/test_uneven_heads.py.)
+    result = _run(["--context-parallel-size", "8", "--context-parallel-mode", "hsap", "--num-attention-heads", "12",
+                   "--head-chunk-size", "3", "--hidden-size", "96", "--seq-length", "256",
+                   "--data-cache-path", cache_dir], 8, timeout=300)
     assert result.returncode == 2
-    assert result.stderr.count("must be divisible by --tensor-model-parallel-size x Ulysses size (1 x 8)") == 8
+    assert result.stderr.count("head_chunk_size=3 must be a multiple of ulysses_size=8") == 8
 
 
 @pytest.mark.parametrize("tracker", ["7", "not-a-number"])
@@ -164,3 +191,14 @@ def test_unreadable_checkpoint_fails_on_every_rank(tmp_path, cache_dir, tracker)
                   timeout=300)
     assert result.returncode == 1
     assert result.stderr.count(f"--load {str(ckpt)!r}") == 2
+
+
+def test_decoupled_lr_updates_only_embedding_and_output_at_their_own_rate(tmp_path, cache_dir, reference):
+    """Megatron-LM's --decoupled-lr/--decoupled-min-lr (Megatron-Core's param groups): freezing the embedding and
+    output layers changes the run while the other layers keep --lr's schedule. (With the same values as
+    --lr/--min-lr the run reproduced the reference exactly, checked once by hand.)"""
+    frozen = _train(tmp_path, cache_dir, 1, "--decoupled-lr", "0", "--decoupled-min-lr", "0", name="frozen")
+    # the first update is at warmup step 0 (learning rate 0), so the runs part from iteration 3 on
+    assert [f["loss"] for f in frozen[:2]] == [r["loss"] for r in reference[:2]]
+    assert all(f["loss"] != r["loss"] for f, r in zip(frozen[2:], reference[2:]))
+    assert [f["lr"] for f in frozen] == [r["lr"] for r in reference]  # the other layers keep --lr's schedule

@@ -61,6 +61,74 @@ def _measured_sent(stats) -> Dict[Tuple[str, str], int]:
     return {k: v for k, v in stats.sent.items() if v}
 
 
+def _ring_bytes(stages) -> Dict[Tuple[str, str], int]:
+    """Ring bytes ({(op, intra|inter): bytes}) of a layer, summed over stages, forward and backward."""
+    total: Dict[Tuple[str, str], int] = {}
+    for fwd, bwd in stages:
+        for (op, where), n in (*fwd.items(), *bwd.items()):
+            if op.startswith("ring"):
+                total[(op, where)] = total.get((op, where), 0) + n
+    return total
+
+
+def upipe_case(plan, seed: int, h: int, h_kv: int, u: Optional[int], tp: int, dtype: torch.dtype
+               ) -> Dict[str, float]:
+    """One ``head_chunked_attention`` fwd + bwd (TP emulated by ``tp`` weight shards) on ``plan``'s batch against
+    the dense reference. Returns {"error": error / TOL[dtype] (rank 0 only), "bytes": 0.0 when every stage's
+    measured bytes equal ``predicted_stage_comm``, "padding": sum of |output| + |input grad| on padding slots;
+    with a ring, "ring": 0.0 when the layer's ring bytes equal those of one stage of all heads (a KV head
+    crosses the ring once per layer), "ring_bytes": those bytes}."""
+    import torch.distributed as dist
+
+    from megatron_hsap.attention.upipe import head_chunked_attention, predicted_stage_comm, resolve_head_schedule
+
+    lengths = list(plan.doc_lengths)
+    total, g = sum(lengths), h // h_kv
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(total, HIDDEN, generator=gen, dtype=torch.float64)
+    weight = torch.randn((g + 2) * h_kv * HEAD_DIM, HIDDEN, generator=gen, dtype=torch.float64) * HIDDEN ** -0.5
+    bias = torch.randn(weight.shape[0], generator=gen, dtype=torch.float64) * 0.1
+    dout = torch.randn(total, h * HEAD_DIM, generator=gen, dtype=torch.float64)
+
+    hidden = plan.shard(x).unsqueeze(1).to(dtype).requires_grad_()
+    shards = [(weight[_tp_rows(h, h_kv, tp, r)].to(dtype).requires_grad_(),
+               bias[_tp_rows(h, h_kv, tp, r)].to(dtype).requires_grad_()) for r in range(tp)]
+    outs, logs = [], []
+    for w_r, b_r in shards:
+        logs.append([])
+        outs.append(head_chunked_attention(hidden, w_r, b_r, plan, num_heads_q=h // tp, num_heads_kv=h_kv // tp,
+                                           head_dim=HEAD_DIM, head_chunk_size=u, comm_log=logs[-1]))
+    out = torch.cat(outs, dim=-1)
+    out.backward(plan.shard(dout).unsqueeze(1).to(dtype))
+
+    schedule = resolve_head_schedule(plan, h // tp, h_kv // tp, u)
+    predicted = predicted_stage_comm(schedule, plan, HEAD_DIM, dtype)
+    bytes_ok = all(len(log) == 2 * len(predicted) for log in logs)
+    for log in logs:
+        for direction, stage, stats in log:
+            bytes_ok &= _measured_sent(stats) == predicted[stage][direction == "backward"]
+    valid = plan.valid_mask
+    result = {"bytes": 0.0 if bytes_ok else 1e9,
+              "padding": float(out.detach()[~valid].abs().sum() + hidden.grad[~valid].abs().sum())}
+    if plan.topology.ring_size > 1:  # head chunks move exactly the ring bytes of one stage of all heads
+        one_stage = resolve_head_schedule(plan, h // tp, h_kv // tp, h // tp)
+        ring = [_ring_bytes(predicted_stage_comm(sch, plan, HEAD_DIM, dtype)) for sch in (schedule, one_stage)]
+        result["ring"] = 0.0 if ring[0] == ring[1] else 1e9
+        result["ring_bytes"] = float(sum(ring[0].values()))
+    d_weight = torch.cat([w.grad for w, _ in shards])
+    d_bias = torch.cat([b.grad for _, b in shards])
+    dist.all_reduce(d_weight)
+    dist.all_reduce(d_bias)
+    got = [plan.unshard(out[:, 0]), plan.unshard(hidden.grad[:, 0]), d_weight, d_bias]
+    if plan.topology.cp_rank == 0:
+        ref_in = [t.clone().requires_grad_() for t in (x, weight, bias)]
+        ref = reference_attention_block(*ref_in, h, h_kv, lengths)
+        ref.backward(dout)
+        want = [ref.detach()] + [t.grad for t in ref_in]
+        result["error"] = max((a.double() - b).abs().max().item() for a, b in zip(got, want)) / TOL[dtype]
+    return result
+
+
 def _run_cases(mode: str, ulysses_size: int, ranks_per_node: int,
                cases: List[Tuple]) -> Dict[str, float]:
     """cases: (H, H_kv, U or None for the config default, tp, hard case name[, dtype (default float64)]).
@@ -68,7 +136,7 @@ def _run_cases(mode: str, ulysses_size: int, ranks_per_node: int,
     Returns {case: error / TOL[dtype]} (rank 0) and per-rank bytes/padding flags (0.0 = fine)."""
     import torch.distributed as dist
 
-    from megatron_hsap.attention.upipe import head_chunked_attention, predicted_stage_comm, resolve_head_schedule
+    from megatron_hsap.attention.upipe import resolve_head_schedule
     from megatron_hsap.config import ContextParallelConfig
     from megatron_hsap.parallel_state import initialize_model_parallel
     from megatron_hsap.sequence.doc_lengths import cu_seqlens_from_lengths
@@ -83,51 +151,15 @@ def _run_cases(mode: str, ulysses_size: int, ranks_per_node: int,
     layouts = itertools.cycle(("zigzag", "sequence-aware", "contiguous"))
     for i, (h, h_kv, u, tp, name, *rest) in enumerate(cases):
         dtype = rest[0] if rest else torch.float64
-        lengths = hard_cases(cp)[name]
         layout = next(layouts)
-        plan = plan_batch(cu_seqlens_from_lengths(lengths), topo, layout)
-        total, g = sum(lengths), h // h_kv
-        gen = torch.Generator().manual_seed(i)
-        x = torch.randn(total, HIDDEN, generator=gen, dtype=torch.float64)
-        weight = torch.randn((g + 2) * h_kv * HEAD_DIM, HIDDEN, generator=gen, dtype=torch.float64) * HIDDEN ** -0.5
-        bias = torch.randn(weight.shape[0], generator=gen, dtype=torch.float64) * 0.1
-        dout = torch.randn(total, h * HEAD_DIM, generator=gen, dtype=torch.float64)
-
-        hidden = plan.shard(x).unsqueeze(1).to(dtype).requires_grad_()
-        shards = [(weight[_tp_rows(h, h_kv, tp, r)].to(dtype).requires_grad_(),
-                   bias[_tp_rows(h, h_kv, tp, r)].to(dtype).requires_grad_()) for r in range(tp)]
-        outs, logs = [], []
-        for w_r, b_r in shards:
-            logs.append([])
-            outs.append(head_chunked_attention(hidden, w_r, b_r, plan, num_heads_q=h // tp, num_heads_kv=h_kv // tp,
-                                               head_dim=HEAD_DIM, head_chunk_size=u, comm_log=logs[-1]))
-        out = torch.cat(outs, dim=-1)
-        out.backward(plan.shard(dout).unsqueeze(1).to(dtype))
+        plan = plan_batch(cu_seqlens_from_lengths(hard_cases(cp)[name]), topo, layout)
         key = f"H{h}/Hkv{h_kv}/P{ulysses_size}/U{u}/tp{tp}/{name}/{layout}/{str(dtype)[6:]}"
-
-        schedule = resolve_head_schedule(plan, h // tp, h_kv // tp, u)
         if u is None:
-            assert mode == "hsap" and schedule.head_chunk_size == ulysses_size
-        predicted = predicted_stage_comm(schedule, plan, HEAD_DIM, dtype)
-        bytes_ok = all(len(log) == 2 * len(predicted) for log in logs)
-        for log in logs:
-            for direction, stage, stats in log:
-                bytes_ok &= _measured_sent(stats) == predicted[stage][direction == "backward"]
-        results[key + "/bytes"] = 0.0 if bytes_ok else 1e9
-        valid = plan.valid_mask
-        results[key + "/padding"] = float(out.detach()[~valid].abs().sum() + hidden.grad[~valid].abs().sum())
-
-        d_weight = torch.cat([w.grad for w, _ in shards])
-        d_bias = torch.cat([b.grad for _, b in shards])
-        dist.all_reduce(d_weight)
-        dist.all_reduce(d_bias)
-        got = [plan.unshard(out[:, 0]), plan.unshard(hidden.grad[:, 0]), d_weight, d_bias]
-        if topo.cp_rank == 0:
-            ref_in = [t.clone().requires_grad_() for t in (x, weight, bias)]
-            ref = reference_attention_block(*ref_in, h, h_kv, lengths)
-            ref.backward(dout)
-            want = [ref.detach()] + [t.grad for t in ref_in]
-            results[key] = max((a.double() - b).abs().max().item() for a, b in zip(got, want)) / TOL[dtype]
+            assert mode == "hsap" and resolve_head_schedule(plan, h // tp, h_kv // tp, u).head_chunk_size == \
+                ulysses_size
+        result = upipe_case(plan, i, h, h_kv, u, tp, dtype)
+        for name, value in result.items():
+            results[key if name == "error" else f"{key}/{name}"] = value
     return results
 
 
@@ -159,37 +191,41 @@ LAUNCHES = [  # (world size, mode, Ulysses size, ranks per node, cases)
                          ids=[f"cp{w}-{m}-u{u}" for w, m, u, _, _ in LAUNCHES])
 def test_matches_dense_multi_head_attention(world_size, mode, ulysses_size, ranks_per_node, cases):
     results = run_distributed(_run_cases, world_size, mode, ulysses_size, ranks_per_node, cases, timeout=600)
-    checked = [k for k in results[0] if not k.endswith(("/bytes", "/padding"))]
+    checked = [k for k in results[0] if not k.endswith(("/bytes", "/padding", "/ring", "/ring_bytes"))]
     assert len(checked) == len(cases)
     bad = {k: v for k, v in results[0].items() if k in checked and not v <= 1.0}
     assert not bad, f"output/input grad/weight grad/bias grad error over {TOL}, as multiples of the dtype's: {bad}"
     for rank, res in enumerate(results):
-        broken = {k: v for k, v in res.items() if k.endswith(("/bytes", "/padding")) and v != 0.0}
-        assert not broken, f"rank {rank}: measured bytes != predicted_stage_comm, or nonzero padding: {broken}"
+        broken = {k: v for k, v in res.items() if k.endswith(("/bytes", "/padding", "/ring")) and v != 0.0}
+        assert not broken, (f"rank {rank}: measured bytes != predicted_stage_comm, nonzero padding, or head chunks "
+                            f"move more ring bytes than one stage of all heads: {broken}")
+    if mode in ("hybrid", "hsap"):  # the ring comparison ran and had bytes to compare
+        assert sum(v for res in results for k, v in res.items() if k.endswith("/ring_bytes")) > 0
 
 
 def test_kv_sent_once_per_group():
-    """KV bytes per layer vs re-sending every stage's KV heads: strictly fewer whenever G > 1 and a KV head's
-    query heads span several stages (always so at U = P), equal when every stage holds whole groups.
+    """KV bytes per layer vs re-sending every stage's KV heads: each KV head crosses once towards each rank that
+    uses it (``HeadSplit.kv_heads_held``); strictly fewer than re-sending at U = P whenever a rank attends several
+    query heads of one KV head, equal with one stage (U = H). Uneven shapes included.
 
     The per-stage all-to-all bytes these counts imply are checked against measured bytes in the launches above.
     """
     from megatron_hsap.attention.head_schedule import build_head_schedule
+    from megatron_hsap.head_split import split_heads
 
     strict = 0
-    for h, h_kv, p in ((16, 4, 4), (32, 8, 4), (16, 2, 4), (16, 1, 4), (64, 16, 8), (12, 4, 2), (64, 8, 8)):
-        for u in (c for c in range(p, h + 1, p) if h % c == 0):
+    for h, h_kv, p in ((16, 4, 4), (32, 8, 4), (16, 2, 4), (16, 1, 4), (64, 16, 8), (12, 4, 2), (64, 8, 8),
+                       (28, 4, 8), (40, 8, 8), (12, 3, 4), (20, 5, 4), (24, 6, 4), (12, 2, 3), (9, 3, 2)):
+        split = split_heads(h, h_kv, p)
+        for u in (p, h):
             s = build_head_schedule(h, h_kv, p, u)
-            g_eff = h // max(h_kv, p)
-            assert s.kv_heads_sent == max(h_kv, p) // p  # every (replicated) KV head crosses exactly once
-            if (u // p) % g_eff != 0:
+            assert s.kv_heads_sent == split.kv_heads_held
+            if u == h:
+                assert s.kv_heads_sent == s.kv_heads_sent_every_stage
+            else:
                 assert s.kv_heads_sent < s.kv_heads_sent_every_stage, (h, h_kv, p, u)
                 strict += 1
-            else:
-                assert s.kv_heads_sent == s.kv_heads_sent_every_stage, (h, h_kv, p, u)
-            if u == p:
-                assert (u // p) % g_eff != 0  # G > 1 in every shape listed: reuse at U = P
-    assert strict >= 14
+    assert strict == 14
 
 
 def _memory_case(head_chunk_sizes: List[int]) -> Dict[str, int]:
@@ -276,8 +312,8 @@ def _error_paths() -> List[str]:
                                head_dim=HEAD_DIM, head_chunk_size=u)
 
     messages = []
-    for args, pattern in (((16, 4, 6), "multiple of ulysses_size=4"), ((16, 4, 12), "must divide num_heads_q=16"),
-                          ((16, 3, 4), "num_heads_kv=3 must divide num_heads_q=16"),
+    for args, pattern in (((16, 4, 6), "multiple of ulysses_size=4"), ((16, 4, 20), "allowed values: [4, 8, 12, 16]"),
+                          ((16, 3, 4), "num_heads_q=16 must be a multiple of num_heads_kv=3"),
                           ((16, 4, 4, 2), "batch size b=2")):
         try:
             call(*args)
@@ -293,7 +329,7 @@ def _error_paths() -> List[str]:
 def test_error_paths_before_any_collective():
     messages = run_distributed(_error_paths, 4, timeout=120)
     assert len(messages[0]) == 4
-    assert "allowed values: [4, 8, 16]" in messages[0][0]
+    assert "allowed values: [4, 8, 12, 16]" in messages[0][0]
 
 
 def test_default_rope_matches_megatron():

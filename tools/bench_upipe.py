@@ -10,8 +10,10 @@ the block (``track_peak_memory``; the input, weights and the output gradient exi
 - every smaller valid head chunk U (a multiple of the Ulysses size dividing H).
 
 The weight gradient is written into a preallocated fp32 ``main_grad`` (as under Megatron's DDP),
-so none of the rows includes a weight-sized gradient tensor. For every U it also prints the ring
-bytes each stage sends (``predicted_stage_comm``). Defaults are the issue's setup: H=32, H_kv=8,
+so none of the rows includes a weight-sized gradient tensor. For every variant it also prints the ring
+bytes the rank sent in the layer (measured, forward + backward: K/V, K/V again, dK/dV) and, for every U,
+per stage (``predicted_stage_comm``): with head chunks a KV head crosses the ring once per layer, so the
+per-layer figure equals the baseline's. Defaults are the issue's setup: H=32, H_kv=8,
 d=32, hidden = H*d, bf16, 4 ranks, 4096 tokens per rank. CPU times are indicative only.
 
     PYTHONPATH=. .venv/bin/python tools/bench_upipe.py
@@ -81,6 +83,7 @@ def _measure(args: argparse.Namespace) -> Dict[str, Dict[str, float]]:
     from megatron_hsap.attention.upipe import head_chunked_attention, predicted_stage_comm, resolve_head_schedule
     from megatron_hsap.attention.upipe import rope_angles
     from megatron_hsap.config import ContextParallelConfig
+    from megatron_hsap.instrumentation.comm import comm_stats
     from megatron_hsap.instrumentation.memory import track_peak_memory
     from megatron_hsap.parallel_state import initialize_model_parallel
     from megatron_hsap.sequence.doc_lengths import cu_seqlens_from_lengths
@@ -107,6 +110,7 @@ def _measure(args: argparse.Namespace) -> Dict[str, Dict[str, float]]:
     for u in [BASELINE] + chunks:
         dist.barrier()
         start = time.perf_counter()
+        before = comm_stats()
         with track_peak_memory("cpu") as mem:
             if u == BASELINE:
                 out = megatron_style_block(hidden, weight, plan, h, h_kv, d, angles)
@@ -122,12 +126,15 @@ def _measure(args: argparse.Namespace) -> Dict[str, Dict[str, float]]:
         seconds = time.perf_counter() - start
         hidden.grad = None
         weight.grad_added_to_main_grad = False
+        ring_layer = sum(v for (op, _where), v in comm_stats().minus(before).sent.items() if op.startswith("ring"))
         ring = 0
         if u != BASELINE:
             schedule = resolve_head_schedule(plan, h, h_kv, u)
             stages = predicted_stage_comm(schedule, plan, d, dtype)
-            ring = sum(v for fwd, _ in stages for (op, _where), v in fwd.items() if op == "ring_kv") / len(stages)
-        results[str(u)] = {"seconds": seconds, "peak_bytes": mem.peak_bytes, "ring_bytes_per_stage": ring}
+            ring = sum(v for fwd, bwd in stages for (op, _where), v in (*fwd.items(), *bwd.items())
+                       if op.startswith("ring")) / len(stages)
+        results[str(u)] = {"seconds": seconds, "peak_bytes": mem.peak_bytes, "ring_bytes_per_stage": ring,
+                           "ring_bytes_per_layer": ring_layer}
     return results
 
 
@@ -160,8 +167,9 @@ def main() -> None:
     print(f"# H={h} H_kv={args.kv_heads} d={args.head_dim} hidden={args.hidden or h * args.head_dim} {args.dtype}; "
           f"{args.tokens_per_rank} tokens per rank on {args.cp} ranks (mode {args.mode}); fwd+bwd of one attention "
           f"block; weight gradient into a preallocated fp32 main_grad")
-    print("| rank | variant | stages | peak bytes | MiB | vs baseline | vs U=H | ring bytes sent per stage | time s |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| rank | variant | stages | peak bytes | MiB | vs baseline | vs U=H | ring bytes sent per layer "
+          "| per stage (predicted) | time s |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     rows: List[Tuple[int, str]] = [(r, k) for r in sorted(per_rank) for k in per_rank[r]]
     for rank, key in rows:
         res = per_rank[rank][key]
@@ -170,7 +178,8 @@ def main() -> None:
         stages = "-" if key == BASELINE else str(h // int(key))
         ring = "-" if key == BASELINE else f"{res['ring_bytes_per_stage']:,.0f}"
         print(f"| {rank} | {label} | {stages} | {res['peak_bytes']:,} | {res['peak_bytes'] / 2**20:.1f} "
-              f"| {res['peak_bytes'] / base:.3f} | {res['peak_bytes'] / full:.3f} | {ring} | {res['seconds']:.1f} |")
+              f"| {res['peak_bytes'] / base:.3f} | {res['peak_bytes'] / full:.3f} | {res['ring_bytes_per_layer']:,.0f} "
+              f"| {ring} | {res['seconds']:.1f} |")
 
 
 if __name__ == "__main__":

@@ -26,7 +26,13 @@ section runs. What each figure means is documented in docs/gpu.md.
    (QKV projection, attention, output projection) forward+backward, and of a full
    layer (norms, attention block, sequence-tiled SwiGLU MLP) under full
    activation recomputation.
-4. training: a short pretrain_gpt_hsap.py run (CP=1, one process, bf16, mock data).
+4. training: the real training step, launched as users launch it (torchrun, one rank,
+   LOCAL_RANK -> torch.cuda.set_device, NCCL): pretrain_gpt_hsap.py at CP=1, bf16, mock
+   data, with validation every few iterations, the final validation/test evaluations
+   (forward-only schedule) and --log-throughput. It exercises the device path: packed
+   micro-batches and cu_seqlens moved to the GPU, loss/byte-counter reductions on CUDA
+   tensors over NCCL, Megatron's fusions on. Passes when it exits 0, the loss falls
+   and every evaluation loss is finite.
 
 One GPU cannot run CP > 1 (NCCL refuses two ranks of one communicator on one
 device; gloo has no all-to-all for CUDA tensors): the collectives are checked by
@@ -469,12 +475,13 @@ def section_memory(sizes: Sizes, device: torch.device, kernel_name: str, budget_
 
 def section_training(sizes: Sizes, device: torch.device, out_dir: str, timeout_s: float) -> dict:
     log_json = os.path.join(out_dir, "train_log.jsonl")
-    cmd = [sys.executable, os.path.join(REPO, "pretrain_gpt_hsap.py"), "--nproc", "1",
-           "--context-parallel-size", "1", "--num-layers", "2",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1",
+           os.path.join(REPO, "pretrain_gpt_hsap.py"), "--context-parallel-size", "1", "--num-layers", "2",
            "--hidden-size", str(max(64, sizes.hidden // 8)), "--num-attention-heads", str(sizes.heads),
            "--num-query-groups", str(sizes.kv_heads), "--seq-length", str(sizes.train_seq),
            "--train-iters", str(sizes.train_iters), "--lr-warmup-iters", "1", "--mock-data",
-           "--log-interval", "1", "--log-json", log_json, "--no-progress-bar"]
+           "--log-interval", "1", "--log-json", log_json, "--no-progress-bar", "--log-throughput",
+           "--eval-interval", str(max(1, sizes.train_iters // 2)), "--eval-iters", "2"]
     if device.type == "cuda":
         cmd += ["--bf16", "--attention-kernel", "auto", "--distributed-backend", "nccl"]
     else:
@@ -486,16 +493,20 @@ def section_training(sizes: Sizes, device: torch.device, out_dir: str, timeout_s
         rc, output = proc.returncode, proc.stdout + proc.stderr
     except subprocess.TimeoutExpired as err:
         rc, output = "timeout", (err.stdout or b"").decode() if isinstance(err.stdout, bytes) else str(err.stdout)
-    losses = []
+    losses, evaluations, tflops = [], [], []
     if os.path.exists(log_json):
         with open(log_json) as f:
             for line in f:
                 record = json.loads(line)
-                if "loss" in record:
+                if "evaluation" in record:
+                    evaluations.append((record["evaluation"], record["iteration"], record["lm_loss"]))
+                else:
                     losses.append(record["loss"])
+                    tflops.append(record["tflops_per_gpu"])
     return {"command": " ".join(cmd[1:]), "returncode": rc, "seconds": time.perf_counter() - start,
-            "losses": losses, "output_tail": output[-3000:],
-            "trains": rc == 0 and len(losses) >= 2 and losses[-1] < losses[0]}
+            "losses": losses, "evaluations": evaluations, "tflops_per_gpu": tflops, "output_tail": output[-3000:],
+            "trains": (rc == 0 and len(losses) >= 2 and losses[-1] < losses[0] and len(evaluations) >= 3
+                       and all(math.isfinite(e[2]) for e in evaluations))}
 
 
 # ---------------------------------------------------------------- report
@@ -536,7 +547,9 @@ def write_report(out_dir: str, results: dict) -> None:
     if "training" in sections and "returncode" in sections["training"]:
         t = sections["training"]
         md += ["## 4. Training run", "", f"`{t['command']}`", "",
-               f"returncode {t['returncode']}, {t['seconds']:.0f} s, losses {t['losses']}", ""]
+               f"returncode {t['returncode']}, {t['seconds']:.0f} s, losses {t['losses']}", "",
+               f"evaluations (split, iteration, lm loss): {t['evaluations']}", "",
+               f"TFLOP/s/GPU (Megatron-LM's formula): {t['tflops_per_gpu']}", ""]
     for name, s in sections.items():
         if "error" in s:
             md += [f"## {name}: FAILED", "", "```", s["error"], "```", ""]
@@ -631,7 +644,8 @@ def _summary(results: dict) -> str:
             lines.append(f"  memory: {peaks}, UPipe cut {section['upipe_peak_cut']}")
         elif name == "training":
             lines.append(f"  training: rc={section['returncode']} losses={section['losses'][:2]}..."
-                         f"{section['losses'][-1:]} trains={section['trains']}")
+                         f"{section['losses'][-1:]} evaluations={len(section['evaluations'])} "
+                         f"trains={section['trains']}")
     return "\n".join(lines)
 
 

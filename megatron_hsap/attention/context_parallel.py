@@ -2,11 +2,14 @@
 
 Flow on each rank (see docs/architecture.md):
 1. Ulysses all-to-all (if ulysses_size > 1): this rank's tokens of all heads ->
-   its member's tokens of 1/ulysses_size of the heads. q, k and v are copied once, into
-   one destination-major send buffer, and travel in one all-to-all; the received member
-   buffer is attended in place (k/v as views of it). KV heads are replicated first
-   when there are fewer than ulysses_size of them; their gradients sum back.
-2. Ring attention over the plan's member schedule (local blocks, then ring exchanges).
+   its member's tokens of a contiguous range of query heads (floor or ceil of H/ulysses_size)
+   and exactly the KV heads they use (``megatron_hsap.head_split``; a KV head used by two
+   ranks goes to both, its gradients sum back once). q, k and v are copied once, into one
+   destination-major send buffer, and travel in one all-to-all (uneven split sizes when the
+   counts differ); the received member buffer is attended in place (k/v as views of it).
+2. Ring attention over the plan's member schedule (local blocks, then ring exchanges), one
+   call per GQA run of the rank's heads (one call unless a KV head's query heads straddle
+   this rank's range unevenly, e.g. 1 + 2).
 3. The inverse all-to-all back to this rank's tokens of all heads.
 The backward mirrors it: one all-to-all for the output gradient, the ring backward writes
 dq/dk/dv straight into one send buffer, one all-to-all back.
@@ -16,17 +19,18 @@ Inputs are validated on every rank, and agreed on across the CP group, before th
 from __future__ import annotations
 
 import math
-from typing import Optional, Tuple
+from typing import Iterator, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 
 from megatron_hsap.attention.agreement import agree_across_cp_ranks
-from megatron_hsap.attention.ring import ring_attention_backward, ring_attention_forward
+from megatron_hsap.attention.ring import SharedRemoteKeyValues, ring_attention_backward, ring_attention_forward
 from megatron_hsap.collectives import all_to_all_member, heads_to_sequence, sequence_to_heads
+from megatron_hsap.head_split import HeadSplit, Run, split_heads
 from megatron_hsap.kernels import AttentionKernel, get_kernel
 from megatron_hsap.parallel_state import CPTopology, cp_topology_is_initialized, get_cp_topology
-from megatron_hsap.sequence.plan import BatchPlan, validate_head_counts
+from megatron_hsap.sequence.plan import BatchPlan
 from megatron_hsap.sequence.schedule import MemberSchedule
 
 __all__ = ["context_parallel_attention", "check_attention_inputs", "check_device_matches_backend"]
@@ -43,8 +47,8 @@ def check_device_matches_backend(name: str, tensor: torch.Tensor, topology: CPTo
                              "use NCCL with CUDA tensors, gloo with CPU tensors")
 
 
-def check_attention_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: BatchPlan) -> int:
-    """Validate local q/k/v against the plan and topology; returns the KV head count after replication."""
+def check_attention_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: BatchPlan) -> HeadSplit:
+    """Validate local q/k/v against the plan and topology; returns how the Ulysses group splits the heads."""
     topo = plan.topology
     if topo.is_offline:
         raise ValueError("plan was built on an offline CPTopology; attention needs get_cp_topology()")
@@ -66,23 +70,73 @@ def check_attention_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pl
     if not (q.device == k.device == v.device):
         raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
     check_device_matches_backend("q", q, topo)
-    return validate_head_counts(q.shape[1], k.shape[1], topo.ulysses_size)
+    try:
+        return split_heads(q.shape[1], k.shape[1], topo.ulysses_size)
+    except ValueError as err:
+        raise ValueError(f"q.shape[1] (num_heads_q) and k.shape[1] (num_heads_kv): {err}") from None
+
+
+def attend_runs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, runs: Tuple[Run, ...], schedule: MemberSchedule,
+                topology: CPTopology, kernel: AttentionKernel, scale: float,
+                shared: Optional[SharedRemoteKeyValues] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Ring attention of one rank's member heads, one call per GQA run (``head_split.gqa_runs``).
+
+    q ``[t_m, h, d]``, k/v ``[t_m, h_kv, d]``: the member's tokens of this rank's heads. Returns out
+    ``[t_m, h, d]`` and lse ``[h, t_m]`` (no heads: empty, nothing posted, as on every ring peer).
+    shared: remote K/V rows kept across UPipe stages (``ring.SharedRemoteKeyValues``, its stage begun).
+    """
+    parts = []
+    for q0, q1, k0, k1 in runs:
+        if shared is not None:
+            shared.select(k0, k1)
+        parts.append(ring_attention_forward(q[:, q0:q1], k[:, k0:k1], v[:, k0:k1], schedule, topology, kernel,
+                                            scale, shared))
+    if len(parts) == 1:
+        return parts[0]
+    if not parts:
+        acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+        return q.new_empty(q.shape), q.new_empty((0, q.shape[0]), dtype=acc)
+    return torch.cat([o for o, _ in parts], dim=1), torch.cat([lse for _, lse in parts])
+
+
+def attend_runs_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                         lse: torch.Tensor, runs: Tuple[Run, ...], schedule: MemberSchedule, topology: CPTopology,
+                         kernel: AttentionKernel, scale: float, shared: Optional[SharedRemoteKeyValues] = None
+                         ) -> Iterator[Tuple[Run, torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """Gradients of ``attend_runs`` (same layouts), yielded per run as ``(run, dq, dk, dv)``."""
+    for run in runs:
+        q0, q1, k0, k1 = run
+        if shared is not None:
+            shared.select(k0, k1)
+        yield (run, *ring_attention_backward(dout[:, q0:q1], q[:, q0:q1], k[:, k0:k1], v[:, k0:k1], out[:, q0:q1],
+                                             lse[q0:q1], schedule, topology, kernel, scale, shared))
+
+
+def _member_width(heads: HeadSplit, rank: int) -> int:
+    """Head slices of rank ``rank``'s member buffer: its query heads, keys, values."""
+    return heads.query_counts[rank] + 2 * heads.kv_counts[rank]
 
 
 def _to_member(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, topology: CPTopology,
-               kv_heads: int) -> torch.Tensor:
-    """q ``[t, h_q, d]``, k/v ``[t, h_kv, d]`` (this rank's tokens) -> the member buffer
-    ``[U * t, h_q/U + 2 * kv_heads/U, d]`` (the member's tokens; this rank's query heads, then keys, then values)."""
+               heads: HeadSplit) -> torch.Tensor:
+    """q ``[t, h_q, d]``, k/v ``[t, h_kv, d]`` (this rank's tokens) -> the member buffer ``[U * t, m + 2 n, d]``
+    (the member's tokens; this rank's m query heads, then its n keys, then its n values). One copy of q, k
+    and v into a destination-major send buffer; each destination gets exactly its heads."""
+    t, _, d = q.shape
     u = topology.ulysses_size
-    t, h_q, d = q.shape
-    if kv_heads != k.shape[1]:
-        k, v = (x.repeat_interleave(kv_heads // x.shape[1], dim=1) for x in (k, v))
-    hq_u, hkv_u = h_q // u, kv_heads // u
-    send = q.new_empty((u, t, hq_u + 2 * hkv_u, d))
-    send[:, :, :hq_u].copy_(q.view(t, u, hq_u, d).transpose(0, 1))
-    send[:, :, hq_u:hq_u + hkv_u].copy_(k.reshape(t, u, hkv_u, d).transpose(0, 1))
-    send[:, :, hq_u + hkv_u:].copy_(v.reshape(t, u, hkv_u, d).transpose(0, 1))
-    return all_to_all_member(send, topology, "ulysses_a2a").view(u * t, hq_u + 2 * hkv_u, d)
+    sizes = [t * _member_width(heads, r) * d for r in range(u)]
+    send = q.new_empty(sum(sizes))
+    at = 0
+    for r, size in enumerate(sizes):
+        qr, kr = heads.query_range(r), heads.kv_range(r)
+        block = send[at:at + size].view(t, len(qr) + 2 * len(kr), d)
+        for part, src in zip(block.split((len(qr), len(kr), len(kr)), dim=1),
+                             (q[:, qr.start:qr.stop], k[:, kr.start:kr.stop], v[:, kr.start:kr.stop])):
+            part.copy_(src)
+        at += size
+    me = topology.ulysses_rank
+    member = all_to_all_member(send, topology, "ulysses_a2a", send_rows=sizes, recv_rows=[sizes[me]] * u)
+    return member.view(u * t, _member_width(heads, me), d)
 
 
 class _ContextParallelAttention(torch.autograd.Function):
@@ -91,51 +145,66 @@ class _ContextParallelAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, schedule: MemberSchedule,
-                topology: CPTopology, kernel: AttentionKernel, scale: float, kv_heads: int) -> torch.Tensor:
-        ctx.args = (schedule, topology, kernel, scale)
-        ctx.kv_shape = tuple(k.shape)
-        if topology.ulysses_size == 1:
+                topology: CPTopology, kernel: AttentionKernel, scale: float, heads: HeadSplit) -> torch.Tensor:
+        ctx.args = (schedule, topology, kernel, scale, heads)
+        if topology.ulysses_size == 1:  # all heads on this rank: one GQA run
             out, lse = ring_attention_forward(q, k, v, schedule, topology, kernel, scale)
             ctx.save_for_backward(q, k, v, out, lse)
             return out
-        t, h_q, d = q.shape
-        member = _to_member(q, k, v, topology, kv_heads)
-        q_m, k_m, v_m = _split_member(member, h_q // topology.ulysses_size)
-        out_m, lse = ring_attention_forward(q_m, k_m, v_m, schedule, topology, kernel, scale)
+        me = topology.ulysses_rank
+        member = _to_member(q, k, v, topology, heads)
+        q_m, k_m, v_m = _split_member(member, heads.query_counts[me])
+        out_m, lse = attend_runs(q_m, k_m, v_m, heads.runs(me), schedule, topology, kernel, scale)
         ctx.save_for_backward(member, out_m, lse)
-        return heads_to_sequence(out_m, topology).reshape(t, h_q, d)
+        return heads_to_sequence(out_m, topology, heads.query_counts)
 
     @staticmethod
     def backward(ctx, dout: torch.Tensor):
-        schedule, topology, kernel, scale = ctx.args
-        if topology.ulysses_size == 1:
+        schedule, topology, kernel, scale, heads = ctx.args
+        me, u = topology.ulysses_rank, topology.ulysses_size
+        if u == 1:
             q, k, v, out, lse = ctx.saved_tensors
             return (*ring_attention_backward(dout, q, k, v, out, lse, schedule, topology, kernel, scale),
                     None, None, None, None, None)
         member, out_m, lse = ctx.saved_tensors
-        u = topology.ulysses_size
-        t, h_kv, d = ctx.kv_shape
-        hq_u = out_m.shape[1]
-        dout_m = sequence_to_heads(dout.reshape(t, u, hq_u, d), topology, "ulysses_a2a_bwd")
-        q_m, k_m, v_m = _split_member(member, hq_u)
-        grads = ring_attention_backward(dout_m, q_m, k_m, v_m, out_m, lse, schedule, topology, kernel, scale)
+        t, d = dout.shape[0], dout.shape[2]
+        m = heads.query_counts[me]
+        dout_m = sequence_to_heads(dout, topology, heads.query_counts, "ulysses_a2a_bwd")
         send = member.new_empty(member.shape)
-        for part, grad in zip(_split_member(send, hq_u), grads):
-            part.copy_(grad)
-        del grads, dout_m
-        back = all_to_all_member(send.view(u, t, -1, d), topology, "ulysses_a2a_bwd")  # [U, t, heads, d]
-        dq_b, dk_b, dv_b = _split_member(back.transpose(0, 1), hq_u, dim=2)
-        dq = dq_b.reshape(t, u * hq_u, d)
-        dk, dv = (x.reshape(t, -1, d) for x in (dk_b, dv_b))
-        if dk.shape[1] != h_kv:  # replicated KV heads: each original head's gradient is the sum of its copies
-            dk, dv = (x.view(t, h_kv, -1, d).sum(dim=2) for x in (dk, dv))
-        return dq, dk, dv, None, None, None, None, None
+        _write_run_grads(_split_member(send, m), attend_runs_backward(dout_m, *_split_member(member, m), out_m, lse,
+                                                                      heads.runs(me), schedule, topology, kernel,
+                                                                      scale))
+        del dout_m
+        sizes = [t * _member_width(heads, r) * d for r in range(u)]
+        back = all_to_all_member(send.view(-1), topology, "ulysses_a2a_bwd", send_rows=[sizes[me]] * u,
+                                 recv_rows=sizes)
+        dq = dout.new_empty(t, heads.num_heads_q, d)
+        acc = torch.float64 if dout.dtype == torch.float64 else torch.float32
+        dk, dv = (torch.zeros(t, heads.num_heads_kv, d, dtype=acc, device=dout.device) for _ in range(2))
+        at = 0
+        for r, size in enumerate(sizes):
+            qr, kr = heads.query_range(r), heads.kv_range(r)
+            block = back[at:at + size].view(t, _member_width(heads, r), d)
+            g_q, g_k, g_v = block.split((len(qr), len(kr), len(kr)), dim=1)
+            dq[:, qr.start:qr.stop] = g_q
+            dk[:, kr.start:kr.stop] += g_k  # a KV head used by two ranks: its gradients sum here, once
+            dv[:, kr.start:kr.stop] += g_v
+            at += size
+        return dq, dk.to(dout.dtype), dv.to(dout.dtype), None, None, None, None, None
 
 
-def _split_member(member: torch.Tensor, hq_u: int, dim: int = 1) -> Tuple[torch.Tensor, ...]:
-    """Views of a member-layout buffer: (queries, keys, values) along the heads dimension ``dim``."""
-    hkv_u = (member.shape[dim] - hq_u) // 2
-    return member.split((hq_u, hkv_u, hkv_u), dim=dim)
+def _write_run_grads(targets: Tuple[torch.Tensor, ...],
+                     run_grads: Iterator[Tuple[Run, torch.Tensor, torch.Tensor, torch.Tensor]]) -> None:
+    """Copy ``attend_runs_backward``'s per-run gradients into ``targets`` (dq, dk, dv buffers in member layout)."""
+    for (q0, q1, k0, k1), *grads in run_grads:
+        for target, grad, (a, b) in zip(targets, grads, ((q0, q1), (k0, k1), (k0, k1))):
+            target[:, a:b].copy_(grad)
+
+
+def _split_member(member: torch.Tensor, m: int) -> Tuple[torch.Tensor, ...]:
+    """Views of a member-layout buffer ``[t, m + 2 n, d]``: (queries, keys, values)."""
+    n = (member.shape[1] - m) // 2
+    return member.split((m, n, n), dim=1)
 
 
 def _fail_with_peers(error: ValueError) -> None:
@@ -160,9 +229,9 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     if not isinstance(plan, BatchPlan):
         _fail_with_peers(ValueError(f"plan must be a BatchPlan from plan_batch(...), got {type(plan).__name__}"))
     topo = plan.topology
-    error, kv_heads = None, 0
+    error, heads = None, None
     try:
-        kv_heads = check_attention_inputs(q, k, v, plan)
+        heads = check_attention_inputs(q, k, v, plan)
     except ValueError as err:
         error = err
     if topo.is_offline:
@@ -177,4 +246,4 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[2])
     kernel = get_kernel(topo.config.kernel)
     schedule = plan.member_schedule(causal)
-    return _ContextParallelAttention.apply(q, k, v, schedule, topo, kernel, scale, kv_heads)
+    return _ContextParallelAttention.apply(q, k, v, schedule, topo, kernel, scale, heads)

@@ -1,17 +1,18 @@
 """Which heads each UPipe stage projects, sends and attends (REFERENCE.md section 1.1).
 
 Pure bookkeeping, no tensors: ``HeadSchedule`` maps H query heads and H_kv KV heads
-(both per TP rank) onto H/U stages of U query heads over a Ulysses group of P ranks.
+(both per TP rank) onto stages of about U query heads over a Ulysses group of P ranks.
 
-KV heads are first made "effective": when H_kv < P every KV head is replicated
-P/H_kv times (replicas adjacent, as ``repeat_interleave``), so there are
-K' = max(H_kv, P) effective KV heads, each serving G' = H/K' query heads
-(query head q uses effective KV head q // G'). Ulysses rank r owns effective KV
-heads r, r + P, r + 2P, ... and walks through their query heads in order, U/P
-per stage. With U = P this is kv = (s // G') * P + r, q = kv * G' + s % G'.
-A KV head crosses the all-to-all once, in the first stage one of its query heads
-runs, stays on the receiving rank while later stages use it, and its gradient
-goes back once, in the stage of its last use.
+Ulysses rank r attends the contiguous query-head range of ``head_split.split_heads``
+(floor or ceil of H/P heads, any H, H_kv and P) and walks through it in order,
+ceil(U/P) heads per stage, so the last stage may hold fewer heads (or none on some
+ranks). Query head q uses KV head q // G (G = H/H_kv). A rank receives a KV head once,
+in the first stage one of its query heads uses it, keeps it while later stages use it,
+and sends its gradient back once, in the stage of its last use: each KV head crosses
+the all-to-all once per layer towards each rank that needs it (twice only when its G
+query heads straddle two ranks' ranges, which the split minimises). With U = P and G
+dividing H/P this is REFERENCE.md 1.1's schedule: stage 0 sends one KV head per rank,
+the next G-1 stages reuse it.
 
 Fused QKV weight rows (Megatron's ``linear_qkv``, per TP rank) come in "units" of
 head_dim rows: KV group g holds units [g*(G+2), ..., g*(G+2)+G-1] for its G query
@@ -23,6 +24,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import List, Tuple
 
+from megatron_hsap.head_split import Run, check_head_chunk_size, gqa_runs, split_heads
+
 __all__ = ["HeadSchedule", "Stage", "build_head_schedule", "attention_activation_bytes"]
 
 Heads = Tuple[Tuple[int, ...], ...]  # indexed [ulysses_rank][slot]
@@ -32,17 +35,18 @@ Heads = Tuple[Tuple[int, ...], ...]  # indexed [ulysses_rank][slot]
 class Stage:
     """One stage; every field is indexed by Ulysses rank (the rank that attends those heads).
 
-    query_heads: original query-head indices (U/P per rank) in the order the rank attends them.
-    new_kv: effective KV heads first used in this stage (sent in this stage's all-to-all).
-    done_kv: effective KV heads last used in this stage (their gradient goes back in this stage).
-    attn_kv: effective KV heads handed to attention, in order: the distinct ones when every one
-      serves the same number of adjacent query heads (GQA call), else one per query head.
+    query_heads: original query-head indices (ceil(U/P) or fewer, contiguous ascending) the rank attends.
+    new_kv: KV heads first used by the rank in this stage (sent in this stage's all-to-all).
+    done_kv: KV heads last used by the rank in this stage (their gradient goes back in this stage).
+    attn_kv: the distinct KV heads of the stage's query heads, in order (handed to attention).
+    runs: ``gqa_runs`` of the stage's query heads over ``attn_kv`` (one attention call each).
     """
 
     query_heads: Heads
     new_kv: Heads
     done_kv: Heads
     attn_kv: Heads
+    runs: Tuple[Tuple[Run, ...], ...]
 
 
 @dataclass(frozen=True)
@@ -57,42 +61,24 @@ class HeadSchedule:
 
     @property
     def group_size(self) -> int:
-        """G: query heads per original KV head."""
+        """G: query heads per KV head."""
         return self.num_heads_q // self.num_heads_kv
 
-    @property
-    def kv_replicas(self) -> int:
-        """Copies of each KV head on the Ulysses group (1 unless H_kv < P)."""
-        return max(1, self.ulysses_size // self.num_heads_kv)
-
-    @property
-    def effective_kv_heads(self) -> int:
-        return self.num_heads_kv * self.kv_replicas
-
-    @property
-    def heads_per_rank(self) -> int:
-        """U/P: query heads each Ulysses rank attends per stage."""
-        return self.head_chunk_size // self.ulysses_size
-
-    def kv_head(self, effective: int) -> int:
-        """Original KV head of an effective (possibly replicated) KV head."""
-        return effective // self.kv_replicas
-
     def query_kv(self, query_head: int) -> int:
-        """Effective KV head that ``query_head`` attends with."""
-        return query_head // (self.num_heads_q // self.effective_kv_heads)
+        """KV head that ``query_head`` attends with."""
+        return query_head // self.group_size
 
     # ---- rows of the fused QKV weight, in units of head_dim rows ----------------------------
     def query_unit(self, query_head: int) -> int:
         g = self.group_size
         return (query_head // g) * (g + 2) + query_head % g
 
-    def key_unit(self, effective: int) -> int:
+    def key_unit(self, kv_head: int) -> int:
         g = self.group_size
-        return self.kv_head(effective) * (g + 2) + g
+        return kv_head * (g + 2) + g
 
-    def value_unit(self, effective: int) -> int:
-        return self.key_unit(effective) + 1
+    def value_unit(self, kv_head: int) -> int:
+        return self.key_unit(kv_head) + 1
 
     def send_units(self, stage: Stage) -> List[int]:
         """Weight units projected for a stage, in all-to-all order: per destination rank
@@ -114,70 +100,44 @@ class HeadSchedule:
     # ---- communication volume in head slices -------------------------------------------------
     @property
     def kv_heads_sent(self) -> int:
-        """KV heads each rank receives per layer forward (each crosses the all-to-all once)."""
-        return sum(len(stage.new_kv[0]) for stage in self.stages)
+        """KV heads the Ulysses group receives per layer forward, over all ranks (each once per rank using it)."""
+        return sum(len(kv) for stage in self.stages for kv in stage.new_kv)
 
     @property
     def kv_heads_sent_every_stage(self) -> int:
-        """What re-sending every stage's KV heads (no reuse across stages) would cost per rank."""
-        return sum(len(set(stage.attn_kv[0])) for stage in self.stages)
-
-
-def _check_int(name: str, value: object) -> int:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ValueError(f"{name}={value!r} must be a positive int")
-    return value
+        """What re-sending every stage's KV heads (no reuse across stages) would cost, over all ranks."""
+        return sum(len(kv) for stage in self.stages for kv in stage.attn_kv)
 
 
 def build_head_schedule(num_heads_q: int, num_heads_kv: int, ulysses_size: int, head_chunk_size: int) -> HeadSchedule:
     """The stage plan for H = num_heads_q, H_kv = num_heads_kv (per TP rank), P = ulysses_size, U = head_chunk_size.
 
-    Raises ValueError (naming the argument and the allowed values) unless H_kv divides H,
-    P divides H, H_kv and P divide one another, U is a multiple of P and U divides H.
+    Raises ValueError (naming the argument and the allowed values) unless the head counts are valid for
+    ``head_split.split_heads`` and U for ``head_split.check_head_chunk_size``.
     """
-    h, h_kv, p, u = (_check_int(n, v) for n, v in (("num_heads_q", num_heads_q), ("num_heads_kv", num_heads_kv),
-                                                     ("ulysses_size", ulysses_size),
-                                                     ("head_chunk_size", head_chunk_size)))
-    if h % h_kv != 0:
-        raise ValueError(f"num_heads_kv={h_kv} must divide num_heads_q={h}; allowed num_heads_kv: "
-                         f"{[k for k in range(1, h + 1) if h % k == 0]}")
-    if h % p != 0:
-        raise ValueError(f"num_heads_q={h} (per TP rank) must be divisible by ulysses_size={p}")
-    if h_kv % p != 0 and p % h_kv != 0:
-        raise ValueError(f"num_heads_kv={h_kv} (per TP rank) must be a multiple of ulysses_size={p} or divide it "
-                         "(KV heads are then replicated)")
-    allowed = [c for c in range(p, h + 1, p) if h % c == 0]
-    if u % p != 0:
-        raise ValueError(f"head_chunk_size={u} must be a multiple of ulysses_size={p}; allowed values: {allowed}")
-    if h % u != 0:
-        raise ValueError(f"head_chunk_size={u} must divide num_heads_q={h} (per TP rank); allowed values: {allowed}")
-
-    k_eff = max(h_kv, p)
-    g_eff = h // k_eff
-    m = u // p
-    # Rank r's walk: its effective KV heads r, r+P, ..., each followed by its G' query heads.
-    walks = [[(j, j * g_eff + i) for j in range(r, k_eff, p) for i in range(g_eff)] for r in range(p)]
-    first_use = {}
-    last_use = {}
+    split = split_heads(num_heads_q, num_heads_kv, ulysses_size)
+    h, p = num_heads_q, ulysses_size
+    u = check_head_chunk_size(head_chunk_size, h, p)
+    g = split.group_size
+    m = -(-u // p)
+    walks = [list(split.query_range(r)) for r in range(p)]
+    first_use, last_use = [], []
     for walk in walks:
-        for pos, (j, _) in enumerate(walk):
-            first_use.setdefault(j, pos // m)
-            last_use[j] = pos // m
+        first, last = {}, {}
+        for pos, q in enumerate(walk):
+            first.setdefault(q // g, pos // m)
+            last[q // g] = pos // m
+        first_use.append(first)
+        last_use.append(last)
     stages = []
-    for s in range(h // u):
-        chunk = [walk[s * m:(s + 1) * m] for walk in walks]
-        query = tuple(tuple(q for _, q in c) for c in chunk)
-        used = [[j for j, _ in c] for c in chunk]
-        new = tuple(tuple(dict.fromkeys(j for j in js if first_use[j] == s)) for js in used)
-        done = tuple(tuple(dict.fromkeys(j for j in js if last_use[j] == s)) for js in used)
-        attn = []
-        for js in used:
-            distinct = list(dict.fromkeys(js))
-            per = len(js) // len(distinct)
-            grouped = len(js) % len(distinct) == 0 and js == [j for j in distinct for _ in range(per)]
-            attn.append(tuple(distinct if grouped else js))
-        stages.append(Stage(query, new, done, tuple(attn)))
-    return HeadSchedule(h, h_kv, p, u, tuple(stages))
+    for s in range(-(-max(len(w) for w in walks) // m)):
+        query = tuple(tuple(walk[s * m:(s + 1) * m]) for walk in walks)
+        used = [[q // g for q in heads] for heads in query]
+        attn = tuple(tuple(dict.fromkeys(js)) for js in used)
+        new = tuple(tuple(j for j in js if first_use[r][j] == s) for r, js in enumerate(attn))
+        done = tuple(tuple(j for j in js if last_use[r][j] == s) for r, js in enumerate(attn))
+        stages.append(Stage(query, new, done, attn, tuple(gqa_runs(js) for js in used)))
+    return HeadSchedule(h, num_heads_kv, p, u, tuple(stages))
 
 
 def attention_activation_bytes(tokens_per_rank: int, num_heads_q: int, num_heads_kv: int, head_dim: int,
@@ -186,9 +146,10 @@ def attention_activation_bytes(tokens_per_rank: int, num_heads_q: int, num_heads
 
     Q, K, V of the stage's heads for this rank's tokens, plus their all-to-all outputs
     (the same bytes again): 2 * t_local * (U + 2 * kv_U) * d * element_size, where kv_U is the
-    number of (replicated) KV heads the stage's U query heads use. With U = H and H_kv = H
-    this is the paper's 12 * (S/C) * H * d bytes in bf16.
+    number of KV heads the stage's U query heads use over the Ulysses group (the largest stage's).
+    With U = H and H_kv = H this is the paper's 12 * (S/C) * H * d bytes in bf16.
     """
-    k_eff = max(num_heads_kv, ulysses_size)
-    kv_per_stage = max(ulysses_size, head_chunk_size * k_eff // num_heads_q)
-    return 2 * tokens_per_rank * (head_chunk_size + 2 * kv_per_stage) * head_dim * element_size
+    schedule = build_head_schedule(num_heads_q, num_heads_kv, ulysses_size, head_chunk_size)
+    largest = max(schedule.stages, key=lambda s: sum(map(len, s.query_heads)) + 2 * sum(map(len, s.attn_kv)))
+    heads = sum(map(len, largest.query_heads)) + 2 * sum(map(len, largest.attn_kv))
+    return 2 * tokens_per_rank * heads * head_dim * element_size

@@ -22,11 +22,19 @@ plan), so the messages between any two ranks are posted in the same relative ord
 both sides. Every wait is for a slot earlier in the sequence than every post that follows
 it, so no rank can wait on a peer that waits on it.
 With ring size 1 (pure Ulysses) the schedule has only local blocks.
+
+Head chunks (UPipe) call this once per stage, and a KV head is attended by several stages.
+With a ``SharedRemoteKeyValues`` a stage sends only the KV heads it is the first to attend,
+keeps the received rows for the later stages, sums their gradients over the stages and
+returns them in the stage of last use: a KV head crosses the ring once per layer in each
+direction, as without head chunks. Ring peers have the same Ulysses position and so the same
+stage plan: both sides skip the same slots.
 """
 
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from dataclasses import dataclass, field
+from typing import Dict, Optional, Tuple
 
 import torch
 
@@ -46,29 +54,97 @@ def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+@dataclass
+class SharedRemoteKeyValues:
+    """Remote K/V rows of the KV heads a sequence of calls (UPipe stages) attends, kept from a head's first
+    call to its last. Before each call the caller sets, identically on every ring peer: ``heads``, the KV
+    head of each k/v column of the call (in order, repeats allowed); ``new``, the heads first attended in
+    this call; ``done``, the heads last attended in it.
+
+    received: distance -> head -> ``[2, rows, d]`` (k, v) from member m - distance;
+    grads: distance -> head -> their gradient summed over the calls so far (fp32; fp64 for fp64).
+    """
+
+    heads: Tuple[int, ...] = ()
+    new: Tuple[int, ...] = ()
+    done: Tuple[int, ...] = ()
+    received: Dict[int, Dict[int, torch.Tensor]] = field(default_factory=dict)
+    grads: Dict[int, Dict[int, torch.Tensor]] = field(default_factory=dict)
+    stage: Tuple[Tuple[int, ...], Tuple[int, ...], Tuple[int, ...]] = ((), (), ())
+
+    def begin_stage(self, heads: Tuple[int, ...], new: Tuple[int, ...], done: Tuple[int, ...]) -> None:
+        """A stage attending KV heads ``heads`` (its k/v columns), ``new`` first and ``done`` last, in
+        one or more calls, each over a column range (``select``)."""
+        self.stage = (heads, new, done)
+
+    def select(self, k0: int, k1: int) -> None:
+        """The next call takes the stage's k/v columns ``k0:k1``."""
+        heads, new, done = self.stage
+        self.heads = heads[k0:k1]
+        self.new = tuple(j for j in self.heads if j in new)
+        self.done = tuple(j for j in self.heads if j in done)
+
+    def columns(self, heads: Tuple[int, ...]) -> Tuple[int, ...]:
+        """The (first) k/v column of each of ``heads`` in this call."""
+        return tuple(self.heads.index(j) for j in heads)
+
+    def forget_done(self) -> None:
+        """Drop the rows (and summed gradients) of the heads no later call attends."""
+        for table in (self.received, self.grads):
+            for per_head in table.values():
+                for j in self.done:
+                    per_head.pop(j, None)
+
+
 class _KeyValueSlots:
-    """Posts the KV(d) slots of one schedule; received rows arrive as ``[2, rows, h_kv, d]`` (k, then v)."""
+    """Posts the KV(d) slots of one schedule; received rows arrive as ``[2, rows, h_kv, d]`` (k, then v).
+    With ``shared`` only the call's new KV heads travel; ``received(d)`` assembles the call's heads."""
 
     def __init__(self, schedule: MemberSchedule, topology: CPTopology, k: torch.Tensor, v: torch.Tensor,
-                 op: str) -> None:
+                 op: str, shared: Optional[SharedRemoteKeyValues] = None) -> None:
         self.recv = {r.distance: r for r in schedule.recv_steps}
         self.send = {s.distance: s for s in schedule.send_steps}
-        self.topology, self.k, self.v, self.op = topology, k, v, op
+        self.topology, self.k, self.v, self.op, self.shared = topology, k, v, op, shared
+        self.whole = shared is None or shared.new == shared.heads  # every column travels, as is
+        self.new_columns = () if self.whole else shared.columns(shared.new)
 
     def post(self, distance: int) -> _Posted:
         k, v = self.k, self.v
         sends, recvs, buffer = [], [], None
+        heads = k.shape[1] if self.whole else len(self.new_columns)
         send = self.send.get(distance)
-        if send is not None:
-            rows = torch.empty((2, send.rows.num_rows) + tuple(k.shape[1:]), dtype=k.dtype, device=k.device)
-            send.rows.gather_into(k, rows[0])
-            send.rows.gather_into(v, rows[1])
+        if send is not None and heads:
+            rows = torch.empty((2, send.rows.num_rows, heads) + tuple(k.shape[2:]), dtype=k.dtype, device=k.device)
+            if self.whole:
+                send.rows.gather_into(k, rows[0])
+                send.rows.gather_into(v, rows[1])
+            else:
+                for i, c in enumerate(self.new_columns):
+                    send.rows.gather_into(k[:, c], rows[0, :, i])
+                    send.rows.gather_into(v[:, c], rows[1, :, i])
             sends.append((send.dst_member, rows))
         recv = self.recv.get(distance)
-        if recv is not None:
-            buffer = torch.empty((2, recv.num_rows) + tuple(k.shape[1:]), dtype=k.dtype, device=k.device)
+        if recv is not None and heads:
+            buffer = torch.empty((2, recv.num_rows, heads) + tuple(k.shape[2:]), dtype=k.dtype, device=k.device)
             recvs.append((recv.src_member, buffer))
+            if self.shared is not None:
+                kept = self.shared.received.setdefault(distance, {})
+                for i, j in enumerate(self.shared.new):
+                    kept[j] = buffer[:, :, i]
         return post_slot(self.topology, sends, recvs, self.op, distance), buffer
+
+    def received(self, distance: int, buffer: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+        """``[2, rows, h_kv, d]`` rows of member m - distance for this call's heads (after its slot's wait)."""
+        if self.whole or distance not in self.recv:
+            return buffer
+        kept = self.shared.received[distance]
+        if len(self.shared.heads) == 1 and kept[self.shared.heads[0]].is_contiguous():
+            return kept[self.shared.heads[0]].unsqueeze(2)  # a kept one-head buffer, attended as is
+        rows = torch.empty((2, self.recv[distance].num_rows, len(self.shared.heads)) + tuple(self.k.shape[2:]),
+                           dtype=self.k.dtype, device=self.k.device)
+        for c, j in enumerate(self.shared.heads):
+            rows[:, :, c].copy_(kept[j])
+        return rows
 
 
 def _empty_result(q: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -79,12 +155,16 @@ def _empty_result(q: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
 
 
 def ring_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, schedule: MemberSchedule,
-                           topology: CPTopology, kernel: AttentionKernel,
-                           softmax_scale: float) -> Tuple[torch.Tensor, torch.Tensor]:
+                           topology: CPTopology, kernel: AttentionKernel, softmax_scale: float,
+                           shared: Optional[SharedRemoteKeyValues] = None) -> Tuple[torch.Tensor, torch.Tensor]:
     """q ``[t_m, h_q', d]``, k/v ``[t_m, h_kv', d]``: this rank's head slice of its member buffer.
-    Returns out ``[t_m, h_q', d]`` in q's dtype and lse ``[h_q', t_m]`` (fp32; fp64 for fp64 inputs)."""
+    Returns out ``[t_m, h_q', d]`` in q's dtype and lse ``[h_q', t_m]`` (fp32; fp64 for fp64 inputs).
+    shared: remote rows kept across calls that attend the same KV heads (see the module doc)."""
     ring_size = topology.ring_size
-    slots = _KeyValueSlots(schedule, topology, k, v, OP_KV)
+    if ring_size == 1 and len(schedule.local_blocks):  # one kernel call: its result is final, nothing to merge
+        trace_event("kernel", "forward", 0)
+        return kernel.forward(q, k, v, schedule.local_blocks, softmax_scale)
+    slots = _KeyValueSlots(schedule, topology, k, v, OP_KV, shared)
     pending = slots.post(1) if ring_size > 1 else None
     out, lse = _empty_result(q)
 
@@ -100,23 +180,36 @@ def ring_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sc
         slot, received = pending
         slot.wait()
         pending = slots.post(distance + 1) if distance + 1 < ring_size else None
+        received = slots.received(distance, received)
         if received is not None:
             attend(received[0], received[1], slots.recv[distance].blocks, distance)
+        del received
+    if shared is not None:
+        shared.forget_done()
     return out.to(q.dtype), lse
 
 
 def ring_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                             out: torch.Tensor, lse: torch.Tensor, schedule: MemberSchedule, topology: CPTopology,
-                            kernel: AttentionKernel, softmax_scale: float
+                            kernel: AttentionKernel, softmax_scale: float,
+                            shared: Optional[SharedRemoteKeyValues] = None
                             ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Gradients of ``ring_attention_forward`` (same layouts), accumulated in fp32/fp64, returned in input dtypes."""
+    """Gradients of ``ring_attention_forward`` (same layouts), accumulated in fp32/fp64, returned in input dtypes.
+    With ``shared`` the gradients of remote rows are summed there and go back to their owners in the call that
+    last attends their head; what comes back for this rank's rows is added to that call's dk/dv (the first
+    column of the head)."""
     ring_size = topology.ring_size
     dout = dout.contiguous()
+    if ring_size == 1 and len(schedule.local_blocks):  # one kernel call: no accumulators
+        trace_event("kernel", "backward", 0)
+        grads = kernel.backward(dout, q, k, v, out, lse, schedule.local_blocks, softmax_scale)
+        return tuple(g.to(x.dtype) for g, x in zip(grads, (q, k, v)))
     acc = _acc_dtype(q.dtype)
     dq = torch.zeros(q.shape, dtype=acc, device=q.device)
     dk = torch.zeros(k.shape, dtype=acc, device=k.device)
     dv = torch.zeros(v.shape, dtype=acc, device=v.device)
-    slots = _KeyValueSlots(schedule, topology, k, v, OP_KV_BWD)
+    slots = _KeyValueSlots(schedule, topology, k, v, OP_KV_BWD, shared)
+    returns = _Returns(shared, k)
     pending = slots.post(1) if ring_size > 1 else None
     if len(schedule.local_blocks):
         trace_event("kernel", "backward", 0)
@@ -131,33 +224,76 @@ def ring_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor
         slot.wait()
         if returned is not None:
             rows = slots.send[distance].rows
-            rows.add_into(dk, returned[0])
-            rows.add_into(dv, returned[1])
+            for column, grad_k, grad_v in returns.columns(returned):
+                rows.add_into(dk[:, column], grad_k)
+                rows.add_into(dv[:, column], grad_v)
 
     for distance in range(1, ring_size):
         slot, received = pending
         slot.wait()
         pending = slots.post(distance + 1) if distance + 1 < ring_size else None
+        received = slots.received(distance, received)
         sends, recvs, returned = [], [], None
         recv = slots.recv.get(distance)
-        if recv is not None:
+        if recv is not None and received is not None:
             trace_event("kernel", "backward", distance)
             g_q, g_k, g_v = kernel.backward(dout, q, received[0], received[1], out, lse, recv.blocks, softmax_scale)
             del received
             dq += g_q
-            grads = torch.empty((2,) + tuple(g_k.shape), dtype=k.dtype, device=k.device)
-            grads[0].copy_(g_k)
-            grads[1].copy_(g_v)
+            grads = returns.outgoing(distance, g_k, g_v)
             del g_q, g_k, g_v
-            sends.append((recv.src_member, grads))
+            if grads is not None:
+                sends.append((recv.src_member, grads))
         send = slots.send.get(distance)
-        if send is not None:
-            returned = torch.empty((2, send.rows.num_rows) + tuple(k.shape[1:]), dtype=k.dtype, device=k.device)
+        if send is not None and returns.heads:
+            returned = torch.empty((2, send.rows.num_rows, returns.heads) + tuple(k.shape[2:]), dtype=k.dtype,
+                                   device=k.device)
             recvs.append((send.dst_member, returned))
         if returning is not None:  # at most one return in flight besides this one
             finish_return()
         returning = (post_slot(topology, sends, recvs, OP_DKV, distance), returned, distance)
     if returning is not None:
         finish_return()
+    if shared is not None:
+        shared.forget_done()
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+class _Returns:
+    """The dK/dV returns of one backward call: every column's gradient (no ``shared``), or the summed
+    gradients of the heads the call attends last."""
+
+    def __init__(self, shared: Optional[SharedRemoteKeyValues], k: torch.Tensor) -> None:
+        self.shared, self.dtype = shared, k.dtype
+        self.acc = _acc_dtype(k.dtype)
+        self.heads = k.shape[1] if shared is None else len(shared.done)
+
+    def outgoing(self, distance: int, g_k: torch.Tensor, g_v: torch.Tensor) -> Optional[torch.Tensor]:
+        """``[2, rows, heads, d]`` in k's dtype to send back for the rows received at ``distance``, or None."""
+        shared = self.shared
+        if shared is None:
+            grads = torch.empty((2,) + tuple(g_k.shape), dtype=self.dtype, device=g_k.device)
+            grads[0].copy_(g_k)
+            grads[1].copy_(g_v)
+            return grads
+        sums = shared.grads.setdefault(distance, {})
+        for c, j in enumerate(shared.heads):
+            if j not in sums:
+                sums[j] = torch.zeros((2,) + tuple(g_k[:, c].shape), dtype=self.acc, device=g_k.device)
+            sums[j][0] += g_k[:, c]
+            sums[j][1] += g_v[:, c]
+        if not shared.done:
+            return None
+        grads = torch.empty((2, g_k.shape[0], len(shared.done)) + tuple(g_k.shape[2:]), dtype=self.dtype,
+                            device=g_k.device)
+        for i, j in enumerate(shared.done):
+            grads[:, :, i].copy_(sums[j])
+        return grads
+
+    def columns(self, returned: torch.Tensor):
+        """``(column of dk/dv, dk rows, dv rows)`` per head of a returned ``[2, rows, heads, d]``."""
+        if self.shared is None:
+            return [(slice(None), returned[0], returned[1])]
+        return [(c, returned[0, :, i], returned[1, :, i])
+                for i, c in enumerate(self.shared.columns(self.shared.done))]
 

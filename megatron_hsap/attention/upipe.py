@@ -12,8 +12,13 @@ The backward recomputes each stage's projection and all-to-all (nothing per stag
 saved but its log-sum-exp), brings the stage's output and output gradient over in one
 all-to-all, and accumulates the weight, bias and input gradients stage by stage. KV
 gradients are summed on the attending rank over the stages that use a KV head and go
-back once, in the stage of its last use; replicated KV heads (H_kv < P) sum in the
-weight gradient.
+back once, in the stage of its last use; a KV head sent to two ranks (its query heads
+straddle their ranges) sums in the weight and input gradients. Head counts need not
+divide the Ulysses size: the all-to-alls then use uneven split sizes.
+With a ring, a stage sends over the ring only the KV heads it attends first, later
+stages reuse the received rows, and their gradients go back once, in the stage of last use
+(``ring.SharedRemoteKeyValues``): a KV head crosses the ring once per layer in each direction, as
+without head chunks.
 """
 
 from __future__ import annotations
@@ -25,11 +30,12 @@ from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
 
 import torch
+import torch.distributed as dist
 
-from megatron_hsap.attention.context_parallel import check_device_matches_backend
+from megatron_hsap.attention.context_parallel import attend_runs, attend_runs_backward, check_device_matches_backend
 from megatron_hsap.attention.head_schedule import HeadSchedule, Stage, build_head_schedule
-from megatron_hsap.attention.ring import ring_attention_backward, ring_attention_forward
-from megatron_hsap.collectives import heads_to_sequence, sequence_to_heads
+from megatron_hsap.attention.ring import SharedRemoteKeyValues
+from megatron_hsap.collectives import all_to_all_member
 from megatron_hsap.instrumentation.comm import CommStats, comm_stats
 from megatron_hsap.kernels import get_kernel
 from megatron_hsap.sequence.plan import BatchPlan
@@ -44,27 +50,35 @@ OP_QKV_BWD, OP_OUT_BWD, OP_DQKV_BWD = "upipe_qkv_bwd", "upipe_out_bwd", "upipe_d
 CommLog = List[Tuple[str, int, CommStats]]
 
 
-def rope_angles(position_ids: torch.Tensor, rotary_dim: int, base: float = 10000.0) -> torch.Tensor:
-    """Megatron's non-interleaved RoPE angles ``[t, rotary_dim]`` (fp32) for int positions ``[t]``:
-    inv_freq = base^(-2i/rotary_dim), angles = cat(pos * inv_freq, pos * inv_freq)."""
+def rope_angles(position_ids: torch.Tensor, rotary_dim: int, base: float = 10000.0,
+                interleaved: bool = False) -> torch.Tensor:
+    """Megatron's RoPE angles ``[t, rotary_dim]`` (fp32) for int positions ``[t]``: inv_freq =
+    base^(-2i/rotary_dim), angles = cat(pos * inv_freq, pos * inv_freq), or with ``interleaved``
+    each angle twice in a row (the layout of Megatron's ``RotaryEmbedding(rotary_interleaved=True)``)."""
     inv_freq = 1.0 / (base ** (torch.arange(0, rotary_dim, 2, dtype=torch.float32) / rotary_dim))
     angles = torch.outer(position_ids.to(torch.float32), inv_freq)
+    if interleaved:
+        return torch.stack((angles, angles), dim=-1).flatten(-2)
     return torch.cat((angles, angles), dim=-1)
 
 
 class _Rope:
-    """Rotate-half RoPE on the first ``rotary_dim`` features of ``[t, ..., d]`` tensors, and its transpose.
+    """RoPE on the first ``rotary_dim`` features of ``[t, ..., d]`` tensors, and its transpose.
 
+    Rotate-half pairs (i, i + rotary_dim/2), or with ``interleaved`` Megatron's pairs (2i, 2i+1).
     Applied one head slice at a time, so its temporaries are a few ``[t, d]`` slices, not the stage's.
     """
 
-    def __init__(self, angles: torch.Tensor, dtype: torch.dtype) -> None:
+    def __init__(self, angles: torch.Tensor, dtype: torch.dtype, interleaved: bool = False) -> None:
         self.dim = angles.shape[-1]
         self.cos = angles.cos().to(dtype)[:, None, None, :]
         self.sin = angles.sin().to(dtype)[:, None, None, :]
+        self.interleaved = interleaved
 
-    @staticmethod
-    def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    def _rotate(self, x: torch.Tensor) -> torch.Tensor:
+        """Megatron's ``_rotate_half``: an antisymmetric map R, so R^T = -R."""
+        if self.interleaved:
+            return torch.stack((-x[..., 1::2], x[..., ::2]), dim=-1).flatten(-2)
         x1, x2 = x.chunk(2, dim=-1)
         return torch.cat((-x2, x1), dim=-1)
 
@@ -78,13 +92,12 @@ class _Rope:
     def apply_(self, x: torch.Tensor) -> None:
         """In place on ``x [t, A, B, d]`` (bit for bit Megatron's ``t * cos + rotate_half(t) * sin``)."""
         for rot in self._slices(x, self.dim):
-            rot.copy_(rot * self.cos + self._rotate_half(rot) * self.sin)
+            rot.copy_(rot * self.cos + self._rotate(rot) * self.sin)
 
     def transpose_(self, grad: torch.Tensor) -> None:
         """In place on ``grad [t, A, B, d]``: the gradient w.r.t. RoPE's input from the gradient w.r.t. its output."""
         for rot in self._slices(grad, self.dim):
-            g1, g2 = (rot * self.sin).chunk(2, dim=-1)
-            rot.copy_(rot * self.cos + torch.cat((g2, -g1), dim=-1))
+            rot.copy_(rot * self.cos - self._rotate(rot * self.sin))
 
 
 def resolve_head_schedule(plan: BatchPlan, num_heads_q: int, num_heads_kv: int,
@@ -100,10 +113,11 @@ def predicted_stage_comm(schedule: HeadSchedule, plan: BatchPlan, head_dim: int,
                          causal: bool = True) -> List[Tuple[Dict[Tuple[str, str], int], Dict[Tuple[str, str], int]]]:
     """Bytes this CP rank sends in each stage: ``[(forward, backward)]``, each ``{(op, 'intra'|'inter'): bytes}``.
 
-    All-to-alls: t_local x (heads per destination) x d per peer of the Ulysses group (forward:
-    q + new k/v in, output back; backward: the same q/k/v again, output + its gradient, then
-    dq + dk/dv of finished KV heads). Ring: the member schedule's rows x the stage's KV heads
-    (k and v) per exchange, and the same rows of dk/dv back in the backward.
+    All-to-alls: t_local x (heads) x d per peer of the Ulysses group (forward: the peer's q + new
+    k/v, this rank's output back; backward: the same q/k/v again, the peer's output + its gradient,
+    then this rank's dq + dk/dv of finished KV heads). Ring: the member schedule's rows x the KV heads
+    first attended in the stage (k and v) per exchange, and the received rows' dk/dv of the KV heads last
+    attended in the stage back in the backward.
     """
     topo = plan.topology
     me, u = topo.cp_rank, topo.ulysses_rank
@@ -119,19 +133,21 @@ def predicted_stage_comm(schedule: HeadSchedule, plan: BatchPlan, head_dim: int,
     for stage in schedule.stages:
         fwd: Dict[Tuple[str, str], int] = defaultdict(int)
         bwd: Dict[Tuple[str, str], int] = defaultdict(int)
-        m, n, c = len(stage.query_heads[0]), len(stage.new_kv[0]), len(stage.done_kv[0])
+        mine, done = len(stage.query_heads[u]), len(stage.done_kv[u])
         for peer in peers:
-            for table, op, heads in ((fwd, OP_QKV, m + 2 * n), (fwd, OP_OUT, m), (bwd, OP_QKV_BWD, m + 2 * n),
-                                     (bwd, OP_OUT_BWD, 2 * m), (bwd, OP_DQKV_BWD, m + 2 * c)):
+            v = peer % topo.ulysses_size
+            m, n = len(stage.query_heads[v]), len(stage.new_kv[v])
+            for table, op, heads in ((fwd, OP_QKV, m + 2 * n), (fwd, OP_OUT, mine), (bwd, OP_QKV_BWD, m + 2 * n),
+                                     (bwd, OP_OUT_BWD, 2 * m), (bwd, OP_DQKV_BWD, mine + 2 * done)):
                 table[(op, where(peer))] += t * heads * head_dim * elem
-        row_bytes = 2 * len(stage.attn_kv[u]) * head_dim * elem
+        row_bytes, grad_row_bytes = (2 * len(heads[u]) * head_dim * elem for heads in (stage.new_kv, stage.done_kv))
         for _, recv, send in member.steps():
             if send is not None:
                 peer = send.dst_member * topo.ulysses_size + u
                 fwd[("ring_kv", where(peer))] += send.rows.num_rows * row_bytes
                 bwd[("ring_kv_bwd", where(peer))] += send.rows.num_rows * row_bytes
             if recv is not None:
-                bwd[("ring_dkv", where(recv.src_member * topo.ulysses_size + u))] += recv.num_rows * row_bytes
+                bwd[("ring_dkv", where(recv.src_member * topo.ulysses_size + u))] += recv.num_rows * grad_row_bytes
         out.append(({k: v for k, v in fwd.items() if v}, {k: v for k, v in bwd.items() if v}))
     return out
 
@@ -155,9 +171,10 @@ class _RankPlan:
     """Host-side per-call constants of one Ulysses rank's walk through a schedule (built once, cached).
 
     send_runs / grad_runs: per stage, the weight rows of the projected units / of the returned gradients.
-    width: per destination rank, the most head slices a stage's QKV all-to-all or gradient all-to-all carries.
+    width: the most head slices one rank's share of a stage's all-to-all carries (QKV, output + its
+      gradient, or dQKV), over stages and ranks.
     kv_slots: the most KV heads this rank holds at once (slots of the retained-KV buffer).
-    attn_width: the most KV heads one attention call takes (>1 needs a gathered k/v buffer).
+    attn_width: the most KV heads one stage's attention takes (>1 needs a gathered k/v buffer).
     """
 
     send_runs: Tuple[Runs, ...]
@@ -174,35 +191,28 @@ def _rank_plan(schedule: HeadSchedule, rank: int, head_dim: int) -> _RankPlan:
         live += len(stage.new_kv[rank])
         most = max(most, live)
         live -= len(stage.done_kv[rank])
-    m = schedule.heads_per_rank
-    width = max(m + 2 * max(len(s.new_kv[r]), len(s.done_kv[r])) for s in schedule.stages
-                for r in range(schedule.ulysses_size))
+    width = max(max(len(q) + 2 * max(len(n), len(c)), 2 * len(q)) for s in schedule.stages
+                for q, n, c in zip(s.query_heads, s.new_kv, s.done_kv))
     return _RankPlan(tuple(_unit_runs(schedule.send_units(s), head_dim) for s in schedule.stages),
                      tuple(_unit_runs(schedule.grad_units(s), head_dim) for s in schedule.stages),
                      width, most, max(len(s.attn_kv[rank]) for s in schedule.stages))
-
-
-@functools.lru_cache(maxsize=64)
-def _query_index(schedule: HeadSchedule, device: torch.device) -> torch.Tensor:
-    """``[stages, P, U/P]`` original query head of each (destination rank, slot): one host-to-device copy per
-    schedule and device, not one per stage."""
-    index = [[list(heads) for heads in stage.query_heads] for stage in schedule.stages]
-    return torch.tensor(index, dtype=torch.long).to(device)
 
 
 class _Stages:
     """What forward and backward share: per-call buffers, the per-stage projection + all-to-all, KV retention.
 
     Buffers (allocated once per forward or backward call, reused by every stage; E = element size of x,
-    t = tokens per rank, P = Ulysses size, m = U / P, w = ``_RankPlan.width``, w' = max(w, 2m), D = head_dim):
+    t = tokens per rank, P = Ulysses size, w = ``_RankPlan.width``, D = head_dim):
       rows   ``[P*w*D, hidden]``  E   the stage's fused-weight rows (projection, and dx in the backward)
-      send   ``P * t * w' * D``   E   all-to-all send buffer [P, t, w, D] (destination major): the projection
-                                      GEMM writes here directly; backward: token-major staging of dQKV
-      recv   ``P * t * w' * D``   E   all-to-all receive buffer = the member's [P*t, w, D]
+      send   ``P * t * w * D``    E   all-to-all send buffer, destination major ([t, w_i, D] per destination i,
+                                      w_i that destination's heads): the projection GEMMs write here directly;
+                                      backward: token-major staging of dQKV
+      recv   ``P * t * w * D``    E   all-to-all receive buffer = the member's [P*t, w_me, D]
       kv     ``[slots, 2, P*t, D]`` E  KV heads kept from their first to their last stage
-      k_attn/v_attn ``[P*t, A, D]`` E  only when one attention call takes A > 1 KV heads
+      k_attn/v_attn ``[P*t, A, D]`` E  only when one stage's attention takes A > 1 KV heads
     backward only:
-      pair   ``P * t * 2m * D``   E   the stage's output and output gradient after their all-to-all
+      pair   ``P * t * 2m * D``   E   the stage's output and output gradient after their all-to-all (m: this
+                                      rank's most query heads in one stage)
       dkv    ``[slots, 2, P*t, D]`` fp32  KV gradients summed over the stages sharing a KV head
       dw     ``P*w*D*hidden``     E   one stage's weight gradient (one GEMM), added into main_grad / dweight
     """
@@ -217,26 +227,43 @@ class _Stages:
         self.kernel = get_kernel(self.topo.config.kernel)
         self.rank = self.topo.ulysses_rank
         self.plan = _rank_plan(schedule, self.rank, head_dim)
-        self.query_index = _query_index(schedule, x.device)
+        self.remote_kv = SharedRemoteKeyValues() if self.topo.ring_size > 1 else None
         t, hidden = x.shape
-        p, m, d, w = schedule.ulysses_size, schedule.heads_per_rank, head_dim, self.plan.width
-        slab = p * t * max(w, 2 * m) * d
+        p, d, w = schedule.ulysses_size, head_dim, self.plan.width
+        slab = p * t * w * d
         self.rows = x.new_empty(p * w * d, hidden)
         self.send, self.recv = x.new_empty(slab), x.new_empty(slab)
         self.kv = x.new_empty(self.plan.kv_slots, 2, p * t, d)
         a = self.plan.attn_width
         self.k_attn = x.new_empty(p * t, a, d) if a > 1 else None
         self.v_attn = x.new_empty(p * t, a, d) if a > 1 else None
-        self.slot: Dict[int, int] = {}  # effective KV id -> slot in kv / dkv
+        self.slot: Dict[int, int] = {}  # KV head -> slot in kv / dkv
         self.free = list(range(self.plan.kv_slots))
         if backward:
             acc = torch.float64 if x.dtype == torch.float64 else torch.float32
-            self.pair = x.new_empty(p * t * 2 * m * d)
+            self.pair = x.new_empty(p * t * 2 * max(len(s.query_heads[self.rank]) for s in schedule.stages) * d)
             self.dkv = torch.empty(self.plan.kv_slots, 2, p * t, d, dtype=acc, device=x.device)
             self.dw = x.new_empty(p * w * d * hidden)
 
-    def _view(self, flat: torch.Tensor, *shape: int) -> torch.Tensor:
-        return flat[:math.prod(shape)].view(*shape)
+    def blocks(self, flat: torch.Tensor, widths: List[int]) -> List[torch.Tensor]:
+        """Consecutive ``[t, w_i, D]`` views of ``flat``, one per width (per destination or source rank)."""
+        t, d = self.x.shape[0], self.d
+        views, at = [], 0
+        for w in widths:
+            views.append(flat[at:at + t * w * d].view(t, w, d))
+            at += t * w * d
+        return views
+
+    def a2a(self, send_widths: List[int], recv_widths: List[int], op: str, send: torch.Tensor,
+            recv: torch.Tensor) -> torch.Tensor:
+        """All-to-all of ``[t, w_i, D]`` blocks: ``send_widths[i]`` head slices go to Ulysses rank i, ``recv_widths[i]``
+        come from it (flat buffers; a copy without a Ulysses group). Returns the filled part of ``recv``."""
+        row = self.x.shape[0] * self.d
+        n_send, n_recv = row * sum(send_widths), row * sum(recv_widths)
+        if self.topo.ulysses_size == 1:
+            return recv[:n_recv].copy_(send[:n_send])
+        return all_to_all_member(send[:n_send], self.topo, op, out=recv[:n_recv],
+                                 send_rows=[row * w for w in send_widths], recv_rows=[row * w for w in recv_widths])
 
     def gather_rows(self, runs: Runs) -> torch.Tensor:
         """The fused weight's rows of a stage's units, in buffer order ``[n*D, hidden]``."""
@@ -244,39 +271,26 @@ class _Stages:
             self.rows[at:at + n].copy_(self.weight[row:row + n])
         return self.rows[:runs[-1][0] + runs[-1][2]]
 
-    def a2a_in(self, send: torch.Tensor, op: str, out: torch.Tensor) -> torch.Tensor:
-        """``send [P, t, h, d]`` -> ``out`` viewed ``[P*t, h, d]`` (a copy without a Ulysses group)."""
-        p, t, h, d = send.shape
-        out = out.view(p * t, h, d)
-        if self.topo.ulysses_size == 1:
-            return out.copy_(send.view(t, h, d))
-        return sequence_to_heads(send.transpose(0, 1), self.topo, op, out=out)
-
-    def a2a_out(self, heads: torch.Tensor, op: str, out: torch.Tensor) -> torch.Tensor:
-        """``heads [P*t, h, d]`` -> ``out [P, t, h, d]`` (returned as is: destination-major)."""
-        if self.topo.ulysses_size == 1:
-            return out.copy_(heads.view(out.shape))
-        heads_to_sequence(heads, self.topo, op, out=out)
-        return out
-
     def project(self, index: int, stage: Stage, op: str) -> torch.Tensor:
-        """One GEMM for the stage's units, RoPE, all-to-all. Stores the stage's new KV heads in ``kv``;
-        returns this rank's stage queries ``[P*t, m, d]`` (a view of ``recv``)."""
+        """One GEMM per destination for the stage's units, RoPE, all-to-all. Stores the stage's new KV heads
+        in ``kv``; returns this rank's stage queries ``[P*t, m, d]`` (a view of ``recv``)."""
         t, p, d = self.x.shape[0], self.schedule.ulysses_size, self.d
-        m, n = len(stage.query_heads[0]), len(stage.new_kv[0])
+        widths = [len(q) + 2 * len(n) for q, n in zip(stage.query_heads, stage.new_kv)]
         runs = self.plan.send_runs[index]
-        rows = self.gather_rows(runs)  # [P*(m+2n)*d, hidden], destination major
-        send = self._view(self.send, p, t, m + 2 * n, d)
-        # One batched GEMM for the whole stage, x shared by every destination (stride 0, never copied),
-        # written destination-major straight into the all-to-all send buffer.
-        torch.bmm(self.x.expand(p, t, self.x.shape[1]), rows.view(p, -1, rows.shape[1]).transpose(1, 2),
-                  out=send.view(p, t, -1))
-        if self.bias is not None:
-            bias = torch.cat([self.bias[row:row + k] for _, row, k in runs])
-            send.view(p, t, -1).add_(bias.view(p, 1, -1))
-        if self.rope is not None:
-            self.rope.apply_(send.transpose(0, 1)[:, :, :m + n])
-        member = self.a2a_in(send, op, self._view(self.recv, p, t, m + 2 * n, d))
+        rows = self.gather_rows(runs)  # [sum(widths)*d, hidden], destination major
+        bias = None if self.bias is None else torch.cat([self.bias[row:row + k] for _, row, k in runs])
+        at = 0
+        # x is shared by every destination; each GEMM writes straight into its block of the send buffer.
+        for block, w, q, n in zip(self.blocks(self.send, widths), widths, stage.query_heads, stage.new_kv):
+            torch.mm(self.x, rows[at:at + w * d].t(), out=block.view(t, w * d))
+            if bias is not None:
+                block.view(t, w * d).add_(bias[at:at + w * d])
+            if self.rope is not None:
+                self.rope.apply_(block.unsqueeze(1)[:, :, :len(q) + len(n)])
+            at += w * d
+        m, n = len(stage.query_heads[self.rank]), len(stage.new_kv[self.rank])
+        mine = widths[self.rank]
+        member = self.a2a(widths, [mine] * p, op, self.send, self.recv).view(p * t, mine, d)
         for i, j in enumerate(stage.new_kv[self.rank]):
             slot = self.slot[j] = self.free.pop()
             self.kv[slot, 0].copy_(member[:, m + i])
@@ -284,15 +298,25 @@ class _Stages:
         return member[:, :m]
 
     def attention_kv(self, stage: Stage) -> Tuple[torch.Tensor, torch.Tensor]:
-        """k, v ``[P*t, h_kv', d]`` for the stage's attention call, from the KV heads kept on this rank."""
+        """k, v ``[P*t, h_kv', d]`` for the stage's attention, from the KV heads kept on this rank."""
         slots = [self.slot[j] for j in stage.attn_kv[self.rank]]
         if len(slots) == 1:
             return self.kv[slots[0], 0].unsqueeze(1), self.kv[slots[0], 1].unsqueeze(1)
+        if not slots:
+            empty = self.kv.new_empty(self.kv.shape[2], 0, self.d)
+            return empty, empty
         k, v = self.k_attn[:, :len(slots)], self.v_attn[:, :len(slots)]
         for i, slot in enumerate(slots):
             k[:, i].copy_(self.kv[slot, 0])
             v[:, i].copy_(self.kv[slot, 1])
         return k, v
+
+    def shared_remote_kv(self, stage: Stage) -> Optional[SharedRemoteKeyValues]:
+        """The ring's kept remote K/V rows, told which KV heads this stage attends, first and last."""
+        if self.remote_kv is not None:
+            r = self.rank
+            self.remote_kv.begin_stage(stage.attn_kv[r], stage.new_kv[r], stage.done_kv[r])
+        return self.remote_kv
 
     def release(self, stage: Stage) -> None:
         """Free the slots of the KV heads whose last stage this was."""
@@ -314,12 +338,16 @@ def _forward(st: _Stages, num_heads_q: int, log: Optional[CommLog]) -> Tuple[tor
         before = None if log is None else comm_stats()
         q = st.project(s, stage, OP_QKV)
         k, v = st.attention_kv(stage)
-        out, lse = ring_attention_forward(q, k, v, st.member, st.topo, st.kernel, st.scale)
+        out, lse = attend_runs(q, k, v, stage.runs[st.rank], st.member, st.topo, st.kernel, st.scale,
+                               st.shared_remote_kv(stage))
         del q, k, v
         st.release(stage)
-        back = st.a2a_out(out, OP_OUT, st._view(st.send, p, t, out.shape[1], d))  # [P, t, m, d]
+        counts = [len(heads) for heads in stage.query_heads]
+        back = st.a2a([counts[st.rank]] * p, counts, OP_OUT, out.reshape(-1), st.recv)
         del out
-        output[:, st.query_index[s]] = back.transpose(0, 1)
+        for heads, block in zip(stage.query_heads, st.blocks(back, counts)):  # each rank's heads are contiguous
+            if heads:
+                output[:, heads[0]:heads[-1] + 1] = block
         lses.append(lse)
         _log_stage(log, "forward", s, before)
     return output, lses
@@ -344,41 +372,47 @@ def _backward(st: _Stages, output: torch.Tensor, grad: torch.Tensor, lses: List[
         m = q.shape[1]
         for j in stage.new_kv[st.rank]:
             st.dkv[st.slot[j]].zero_()
-        send = st._view(st.send, p, t, 2 * m, d)  # per destination: the stage's output, then its gradient
-        for r, heads in enumerate(stage.query_heads):
-            for j, head in enumerate(heads):
-                send[r, :, j].copy_(output[:, head])
-                send[r, :, m + j].copy_(grad[:, head])
-        pair = st.a2a_in(send, OP_OUT_BWD, st._view(st.pair, p, t, 2 * m, d))
+        counts = [len(heads) for heads in stage.query_heads]
+        # per destination: the stage's output, then its gradient
+        for heads, block in zip(stage.query_heads, st.blocks(st.send, [2 * c for c in counts])):
+            if heads:
+                block[:, :len(heads)].copy_(output[:, heads[0]:heads[-1] + 1])
+                block[:, len(heads):].copy_(grad[:, heads[0]:heads[-1] + 1])
+        pair = st.a2a([2 * c for c in counts], [2 * m] * p, OP_OUT_BWD, st.send, st.pair).view(p * t, 2 * m, d)
         k, v = st.attention_kv(stage)
-        dq, dk, dv = ring_attention_backward(pair[:, m:], q, k, v, pair[:, :m], lse, st.member,
-                                             st.topo, st.kernel, st.scale)
-        del pair, q, k, v
-        for i, j in enumerate(stage.attn_kv[st.rank]):
-            st.dkv[st.slot[j], 0] += dk[:, i]
-            st.dkv[st.slot[j], 1] += dv[:, i]
-        del dk, dv
         done = stage.done_kv[st.rank]
         c = len(done)
-        grads = st._view(st.send, p * t, m + 2 * c, d)  # dq, then dk and dv of the KV heads finished here
-        grads[:, :m].copy_(dq)
-        del dq
+        grads = st.send[:p * t * (m + 2 * c) * d].view(p * t, m + 2 * c, d)  # dq, then dk/dv of KV heads done here
+        attn_kv = stage.attn_kv[st.rank]
+        for (q0, q1, k0, _), dq, dk, dv in attend_runs_backward(pair[:, m:], q, k, v, pair[:, :m], lse,
+                                                                stage.runs[st.rank], st.member, st.topo,
+                                                                st.kernel, st.scale, st.shared_remote_kv(stage)):
+            grads[:, q0:q1].copy_(dq)
+            for i in range(dk.shape[1]):
+                st.dkv[st.slot[attn_kv[k0 + i]], 0] += dk[:, i]
+                st.dkv[st.slot[attn_kv[k0 + i]], 1] += dv[:, i]
+            del dq, dk, dv  # not alive into the next stage
+        del pair, q, k, v
         for i, j in enumerate(done):
             grads[:, m + i].copy_(st.dkv[st.slot[j], 0])
             grads[:, m + c + i].copy_(st.dkv[st.slot[j], 1])
         st.release(stage)
-        back = st.a2a_out(grads, OP_DQKV_BWD, st._view(st.recv, p, t, m + 2 * c, d))
-        g = st._view(st.send, t, p, m + 2 * c, d)  # token-major: the gradient of this stage's projection
-        g.copy_(back.transpose(0, 1))
-        if st.rope is not None:
-            st.rope.transpose_(g[:, :, :m + c])
+        widths = [len(heads) + 2 * len(kv) for heads, kv in zip(stage.query_heads, stage.done_kv)]
+        back = st.a2a([m + 2 * c] * p, widths, OP_DQKV_BWD, st.send, st.recv)
+        g = st.send[:back.numel()].view(t, -1, d)  # token-major: the gradient of this stage's projection
+        at = 0
+        for block, w, heads, kv in zip(st.blocks(back, widths), widths, stage.query_heads, stage.done_kv):
+            g[:, at:at + w].copy_(block)
+            if st.rope is not None:
+                st.rope.transpose_(g[:, at:at + len(heads) + len(kv)].unsqueeze(1))
+            at += w
         g = g.view(t, -1)
         runs = st.plan.grad_runs[s]
         dx.addmm_(g, st.gather_rows(runs))
         if dweight is not None:
-            dw = st._view(st.dw, g.shape[1], st.x.shape[1])
+            dw = st.dw[:g.shape[1] * st.x.shape[1]].view(g.shape[1], st.x.shape[1])
             torch.mm(g.t(), st.x, out=dw)
-            for at, row, n in runs:  # replicated KV units appear twice and sum here
+            for at, row, n in runs:  # KV units returned by two ranks appear twice and sum here
                 dweight[row:row + n] += dw[at:at + n]
         if dbias is not None:
             part = g.sum(0, dtype=acc)
@@ -394,21 +428,39 @@ def _main_grad_target(weight: torch.Tensor) -> Optional[torch.Tensor]:
     return main_grad if isinstance(main_grad, torch.Tensor) and main_grad.shape == weight.shape else None
 
 
+def _gather_sequence_shards(local: torch.Tensor, group: Optional[dist.ProcessGroup]) -> torch.Tensor:
+    """Megatron's sequence-parallel all-gather: ``[s/n, 1, hidden]`` on each of the n ranks of ``group`` ->
+    ``[s, 1, hidden]`` in rank order (``local`` itself without a group)."""
+    if group is None:
+        return local
+    full = local.new_empty(local.shape[0] * dist.get_world_size(group), *local.shape[1:])
+    dist.all_gather_into_tensor(full, local.contiguous(), group=group)
+    return full
+
+
 class _HeadChunkedAttention(torch.autograd.Function):
-    """Autograd wrapper: saves hidden, weight, bias, the output and the per-stage lse; recomputes the rest."""
+    """Autograd wrapper: saves hidden, weight, bias, the output and the per-stage lse; recomputes the rest.
+
+    With a sequence-parallel group, ``hidden`` is this TP rank's shard: it is all-gathered for the
+    forward, only the shard is saved, and the backward gathers it again and reduce-scatters dx, as
+    Megatron's ``ColumnParallelLinear`` does (TP times less saved than the gathered input).
+    """
 
     @staticmethod
     def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], plan: BatchPlan,
-                schedule: HeadSchedule, head_dim: int, angles: Optional[torch.Tensor], causal: bool, scale: float,
+                schedule: HeadSchedule, head_dim: int, angles: Optional[torch.Tensor], interleaved: bool,
+                causal: bool, scale: float, sp_group: Optional[dist.ProcessGroup],
                 log: Optional[CommLog]) -> torch.Tensor:
-        rope = None if angles is None else _Rope(angles, hidden.dtype)
-        st = _Stages(hidden[:, 0], weight, bias, plan, schedule, head_dim, rope, causal, scale, backward=False)
+        full = _gather_sequence_shards(hidden, sp_group)
+        rope = None if angles is None else _Rope(angles, hidden.dtype, interleaved)
+        st = _Stages(full[:, 0], weight, bias, plan, schedule, head_dim, rope, causal, scale, backward=False)
+        del full
         output, lses = _forward(st, schedule.num_heads_q, log)
         del st
         ctx.save_for_backward(hidden, weight, bias, output)
         ctx.lses = lses
-        ctx.args = (plan, schedule, head_dim, angles, causal, scale, log)
-        return output.view(hidden.shape[0], 1, -1)
+        ctx.args = (plan, schedule, head_dim, angles, interleaved, causal, scale, sp_group, log)
+        return output.view(output.shape[0], 1, -1)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
@@ -416,9 +468,11 @@ class _HeadChunkedAttention(torch.autograd.Function):
         Megatron's gradient-accumulation-fusion contract (``grad_added_to_main_grad`` set, a dummy gradient
         returned so DDP's hook does not add it again; None without that attribute); else returned."""
         hidden, weight, bias, output = ctx.saved_tensors
-        plan, schedule, head_dim, angles, causal, scale, log = ctx.args
-        rope = None if angles is None else _Rope(angles, hidden.dtype)
-        st = _Stages(hidden[:, 0], weight, bias, plan, schedule, head_dim, rope, causal, scale, backward=True)
+        plan, schedule, head_dim, angles, interleaved, causal, scale, sp_group, log = ctx.args
+        rope = None if angles is None else _Rope(angles, hidden.dtype, interleaved)
+        full = _gather_sequence_shards(hidden, sp_group)
+        st = _Stages(full[:, 0], weight, bias, plan, schedule, head_dim, rope, causal, scale, backward=True)
+        del full
         grad = grad.reshape(output.shape).to(output.dtype)
         main_grad = _main_grad_target(weight) if ctx.needs_input_grad[1] else None
         target = main_grad
@@ -432,7 +486,11 @@ class _HeadChunkedAttention(torch.autograd.Function):
             if hasattr(weight, "grad_added_to_main_grad"):
                 weight.grad_added_to_main_grad = True
                 dweight = (torch.zeros_like if getattr(weight, "zero_out_wgrad", False) else torch.empty_like)(weight)
-        return dx.unsqueeze(1), dweight, dbias, None, None, None, None, None, None, None
+        if sp_group is not None:
+            dx_full, dx = dx, dx.new_empty(hidden.shape[0], dx.shape[1])
+            dist.reduce_scatter_tensor(dx, dx_full, group=sp_group)
+            del dx_full
+        return dx.unsqueeze(1), dweight, dbias, None, None, None, None, None, None, None, None, None
 
 
 def _check_tensor(name: str, t: object, layout: str, dims: int) -> torch.Tensor:
@@ -445,18 +503,21 @@ def _check_tensor(name: str, t: object, layout: str, dims: int) -> torch.Tensor:
 
 
 def _check_inputs(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], plan: BatchPlan,
-                  schedule: HeadSchedule, head_dim: int, rotary_freqs: Optional[torch.Tensor]) -> None:
+                  schedule: HeadSchedule, head_dim: int, rotary_freqs: Optional[torch.Tensor],
+                  sp_size: int) -> None:
     topo = plan.topology
     if topo.is_offline:
         raise ValueError("plan was built on an offline CPTopology; attention needs get_cp_topology()")
     _check_tensor("hidden", hidden, "[s_local, b, hidden]", 3)
     _check_tensor("qkv_weight", weight, "[(G + 2) * H_kv * d, hidden]", 2)
-    s, b, size = hidden.shape
+    shard, b, size = hidden.shape
+    s = shard * sp_size
     if b != 1:
         raise ValueError(f"hidden has batch size b={b}; head_chunked_attention takes one packed stream, b=1 "
                          "(pack the micro-batch's sequences into one stream with plan_batch)")
     if s != plan.tokens_per_rank:
-        raise ValueError(f"hidden.shape[0]={s} must equal plan.tokens_per_rank={plan.tokens_per_rank}")
+        per = f" x sequence-parallel size {sp_size}" if sp_size > 1 else ""
+        raise ValueError(f"hidden.shape[0]={shard}{per} must equal plan.tokens_per_rank={plan.tokens_per_rank}")
     g, h_kv = schedule.group_size, schedule.num_heads_kv
     rows = (g + 2) * h_kv * head_dim
     if tuple(weight.shape) != (rows, size):
@@ -485,19 +546,30 @@ def head_chunked_attention(hidden: torch.Tensor, qkv_weight: torch.Tensor, qkv_b
                            plan: BatchPlan, *, num_heads_q: int, num_heads_kv: int, head_dim: int,
                            rotary_freqs: Optional[torch.Tensor] = None, rope_base: Optional[float] = 10000.0,
                            causal: bool = True, softmax_scale: Optional[float] = None,
-                           head_chunk_size: Optional[int] = None, comm_log: Optional[CommLog] = None) -> torch.Tensor:
+                           head_chunk_size: Optional[int] = None, comm_log: Optional[CommLog] = None,
+                           rotary_interleaved: bool = False,
+                           sequence_parallel_group: Optional[dist.ProcessGroup] = None) -> torch.Tensor:
     """QKV projection + rotary embeddings + context-parallel attention, U query heads at a time.
 
     hidden ``[s_local, 1, hidden]``: this rank's tokens of the packed stream as laid out by
-    ``plan`` (s_local = plan.tokens_per_rank), the input of Megatron's SelfAttention.
+    ``plan`` (s_local = plan.tokens_per_rank), the input of Megatron's SelfAttention. With
+    ``sequence_parallel_group`` (Megatron's TP group under sequence parallelism, n ranks) hidden
+    is this TP rank's shard ``[s_local / n, 1, hidden]`` (rows rank * s_local / n onwards); it is
+    all-gathered inside, only the shard is kept for the backward, the input gradient comes back
+    reduce-scattered, and the output still covers all s_local tokens (ColumnParallelLinear's contract).
     qkv_weight ``[(G + 2) * H_kv * d, hidden]`` / qkv_bias ``[(G + 2) * H_kv * d]`` or None:
     this TP rank's shard of Megatron's ``linear_qkv``, per KV group [G query heads, key, value].
     num_heads_q / num_heads_kv: heads of this TP rank. rotary_freqs: per-token RoPE angles
-    ``[s_local, d_rot]`` in Megatron's non-interleaved layout (e.g. GPTModel's table indexed by
+    ``[s_local, d_rot]`` in Megatron's layout (e.g. GPTModel's table indexed by
     ``plan.position_ids``); None = ``rope_angles(plan.position_ids, head_dim, rope_base)``;
-    both None = no rotary embedding. head_chunk_size U: query heads per stage (multiple of the
-    Ulysses size, dividing num_heads_q); None = the topology config's default (``hsap``: the
-    Ulysses size; other modes: all heads, i.e. plain Ulysses). comm_log: a list that receives
+    both None = no rotary embedding. rotary_interleaved: Megatron's ``rotary_interleaved`` RoPE
+    (rotated pairs (2i, 2i+1), angles each repeated twice in a row) instead of rotate-half.
+    Any head counts with num_heads_q a multiple of num_heads_kv
+    (each Ulysses rank attends floor or ceil of num_heads_q / P of them, see ``head_split``).
+    head_chunk_size U: query heads per stage (a multiple of the Ulysses size P below
+    num_heads_q, or num_heads_q; each rank attends ceil(U / P) heads per stage, the last stage
+    may hold fewer); None = the topology config's default (``hsap``: P; other modes: all heads,
+    i.e. plain Ulysses). comm_log: a list that receives
     ``(direction, stage, CommStats)`` per stage. Returns ``[s_local, 1, H * d]`` in the original
     head order (the input of ``linear_proj``). Everything is validated before any collective.
     """
@@ -506,13 +578,17 @@ def head_chunked_attention(hidden: torch.Tensor, qkv_weight: torch.Tensor, qkv_b
     if not isinstance(head_dim, int) or head_dim < 1:
         raise ValueError(f"head_dim={head_dim!r} must be a positive int")
     schedule = resolve_head_schedule(plan, num_heads_q, num_heads_kv, head_chunk_size)
-    _check_inputs(hidden, qkv_weight, qkv_bias, plan, schedule, head_dim, rotary_freqs)
+    sp_group = sequence_parallel_group
+    if sp_group is not None and dist.get_world_size(sp_group) == 1:
+        sp_group = None
+    _check_inputs(hidden, qkv_weight, qkv_bias, plan, schedule, head_dim, rotary_freqs,
+                  1 if sp_group is None else dist.get_world_size(sp_group))
     if rotary_freqs is not None:
-        angles = rotary_freqs.reshape(hidden.shape[0], -1)
+        angles = rotary_freqs.reshape(plan.tokens_per_rank, -1)
     elif rope_base is not None:
-        angles = rope_angles(plan.position_ids, head_dim, rope_base).to(hidden.device)
+        angles = rope_angles(plan.position_ids, head_dim, rope_base, rotary_interleaved).to(hidden.device)
     else:
         angles = None
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
-    return _HeadChunkedAttention.apply(hidden, qkv_weight, qkv_bias, plan, schedule, head_dim, angles, bool(causal),
-                                       scale, comm_log)
+    return _HeadChunkedAttention.apply(hidden, qkv_weight, qkv_bias, plan, schedule, head_dim, angles,
+                                       bool(rotary_interleaved), bool(causal), scale, sp_group, comm_log)

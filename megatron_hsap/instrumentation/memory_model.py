@@ -19,9 +19,12 @@ kernel's fp32 copies and score tiles (what the CPU validation measures); ``'flas
 fp32 accumulators (flash kernels hold no full-size workspace). tests/test_memory_model.py checks every
 component against ``track_peak_memory`` on small configurations (within 5 %).
 
-Extension point (ring x head chunks): when the ring keeps received remote K/V for the stages that share a KV
-head, add ``ring_kv_kept_bytes`` = (KV heads kept per rank) x 2 x (remote rows kept) x d x E to
-``communication`` (the ``kept_remote_kv_rows`` field of ``Parallelism`` is that row count, default 0).
+Ring: one distance's received K/V rows, the gradients going back and those coming back are alive at once.
+With head chunks, when a KV head is attended by several stages, the rows received for it are kept from its first
+stage to its last and their gradients summed in fp32 (``ring.SharedRemoteKeyValues``: a KV head crosses the ring
+once per layer), which adds the remote rows' fp32 sums and the rows of the other distances;
+``Parallelism.remote_kv_rows`` is the rows a rank receives over the ring per layer (the plan's, e.g.
+``sum(r.num_rows for r in plan.member_schedule().recv_steps)``; None: the worst case, every other member's tokens).
 """
 
 from __future__ import annotations
@@ -65,7 +68,8 @@ PRESETS: Dict[str, ModelShape] = {
 @dataclass(frozen=True)
 class Parallelism:
     """tp/pp/cp/dp sizes; ``ulysses``: all-to-all degree inside CP (None: per method); ``head_chunk``: UPipe's U
-    (None: the Ulysses size); ``ring_chunks``: ring receive buffers alive at once (double buffering: 2)."""
+    (None: the Ulysses size); ``remote_kv_rows``: K/V rows one rank receives over the ring per layer (None: the
+    worst case, (ring size - 1) x the member's tokens)."""
 
     tp: int = 1
     pp: int = 1
@@ -73,8 +77,7 @@ class Parallelism:
     dp: int = 1
     ulysses: Optional[int] = None
     head_chunk: Optional[int] = None
-    ring_buffers: int = 2
-    kept_remote_kv_rows: int = 0
+    remote_kv_rows: Optional[int] = None
 
 
 @dataclass(frozen=True)
@@ -182,15 +185,22 @@ def attention_block_bytes(model: ModelShape, par: Parallelism, train: Training, 
             + stages * m * big_t * f                 # per-stage lse
             + t * hidden * e                         # dx
             + 2 * t * d * e)                         # RoPE cos/sin
-    ring_acc = big_t * m * d * (e + f) + big_t * 2 * attn * d * f   # dout copy, dq and dk/dv accumulators
-    ring_recv = (par.ring_buffers * big_t * 2 * attn * d * e if ring > 1 else 0)
+    ring_acc = big_t * m * d * e                     # dout copy
+    if ring > 1:  # several kernel calls per stage: the output and dq/dk/dv accumulate in fp32
+        ring_acc += big_t * m * d * f + big_t * 2 * attn * d * f
+    ring_recv = 0
+    if ring > 1:
+        remote = (ring - 1) * big_t if par.remote_kv_rows is None else par.remote_kv_rows
+        row = 2 * attn * d  # k and v of the KV heads one attention call takes
+        ring_recv = 3 * min(remote, big_t) * row * e  # one distance's rows, the gradients sent and returned
+        if method == "upipe" and stages > 1 and m < g_eff:  # KV heads shared by stages: rows kept, grads summed
+            ring_recv += remote * row * f + (remote - min(remote, big_t)) * row * e
     kernel = 0
     if train.kernel == "torch":
         g = m // attn
         tq, tk = train.kernel_tile[0] * g, train.kernel_tile[1]
         kernel = (3 * big_t * m * d * f + 4 * big_t * attn * d * f + 2 * big_t * m * f + 3 * attn * tq * tk * f)
-    ring_kept = 2 * par.kept_remote_kv_rows * attn * d * e
-    return {"compute": buffers + attn_kv + kept + ring_acc + kernel, "communication": recv + ring_recv + ring_kept}
+    return {"compute": buffers + attn_kv + kept + ring_acc + kernel, "communication": recv + ring_recv}
 
 
 def _mlp_bytes(model: ModelShape, par: Parallelism, train: Training, t: int) -> int:

@@ -8,7 +8,13 @@ attention itself is ``megatron_hsap.attention.context_parallel_attention``
 (ring / Ulysses / hybrid / hsap per the ``ContextParallelConfig``), which never
 lets a token attend across a document boundary. When head chunks are configured
 (``head_chunk_size`` below the local head count) the projection and attention run
-fused per chunk through UPipe (``megatron_hsap.attention.upipe``).
+fused per chunk through UPipe (``megatron_hsap.attention.upipe``), on the local
+spec's ``ColumnParallelLinear`` and on the TransformerEngine spec's
+``TELayerNormColumnParallelLinear`` alike (its input norm is applied first, then
+the per-chunk projection from its weight).
+
+Settings of the ``TransformerConfig`` / layer spec that this path does not implement
+are rejected when the module is built (``check_hsap_attention_config``), never ignored.
 
 The plan reaches the layer inside ``packed_seq_params`` (``HSAPPackedSeqParams``,
 a ``PackedSeqParams`` with a ``plan`` field), the way Megatron passes THD batches.
@@ -18,22 +24,31 @@ here, so Megatron's own CP code paths (rotary slicing, TE's CP attention) stay o
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import warnings
 from dataclasses import dataclass
 from typing import Any, Optional, Tuple
 
 import torch
+import torch.nn.functional as F
 from megatron.core import tensor_parallel
 from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear
 from megatron.core.transformer.attention import SelfAttention
+from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.identity_op import IdentityOp
+from megatron.core.transformer.spec_utils import ModuleSpec
 
 from megatron_hsap.config import ContextParallelConfig
 
-__all__ = ["HSAPPackedSeqParams", "HSAPSelfAttention"]
+__all__ = ["HSAPPackedSeqParams", "HSAPSelfAttention", "check_hsap_attention_config"]
+
+#: Mask types of a causal decoder: within a packed document, bottom-right and top-left alignment coincide.
+CAUSAL_MASK_TYPES = (AttnMaskType.causal, AttnMaskType.padding_causal, AttnMaskType.causal_bottom_right)
+#: Mask types of full (bidirectional) attention inside each document; padding never takes part (the plan).
+FULL_MASK_TYPES = (AttnMaskType.no_mask, AttnMaskType.padding)
 
 
 @dataclass
@@ -56,10 +71,19 @@ class HSAPSelfAttention(SelfAttention):
     spec so state-dict keys match Megatron's layer specs, but the forward does not call it.
     """
 
-    def __init__(self, *args: Any, cp_config: ContextParallelConfig, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
+    def __init__(self, config: Any, submodules: Any, layer_number: int,
+                 attn_mask_type: AttnMaskType = AttnMaskType.padding, *args: Any, cp_config: ContextParallelConfig,
+                 **kwargs: Any) -> None:
+        # Checked before Megatron builds anything: the same error on every rank, before any collective.
+        check_hsap_attention_config(config, attn_mask_type)
+        _check_submodules_buildable(submodules)
+        super().__init__(config, submodules, layer_number, attn_mask_type, *args, **kwargs)
         self.cp_config = cp_config
-        check_hsap_attention_config(self.config)
+
+    @property
+    def hsap_causal(self) -> bool:
+        """Causal attention inside each document (else full, see ``FULL_MASK_TYPES``)."""
+        return self.attn_mask_type in CAUSAL_MASK_TYPES
 
     @property
     def hsap_softmax_scale(self) -> float:
@@ -89,6 +113,8 @@ class HSAPSelfAttention(SelfAttention):
                                       "(no KV-cache inference, no cross-attention)")
         if attention_bias is not None:
             raise NotImplementedError("attention_bias is not supported by HSAPSelfAttention")
+        if self.config.no_rope_freq and self.config.no_rope_freq[self.layer_number - 1]:
+            rotary_pos_emb = None  # a NoPE layer, as in Megatron's SelfAttention
         q_table, k_table = None, None
         if rotary_pos_emb is not None:
             q_table, k_table = rotary_pos_emb if isinstance(rotary_pos_emb, tuple) else (rotary_pos_emb,) * 2
@@ -105,9 +131,13 @@ class HSAPSelfAttention(SelfAttention):
         chunk = self.cp_config.resolve_head_chunk_size(heads, plan.topology.ulysses_size)
         if chunk == heads:
             return None
-        plain_qkv = type(self.linear_qkv) is ColumnParallelLinear
-        if not plain_qkv or not isinstance(self.q_layernorm, (type(None), IdentityOp)):
-            _warn_upipe_fallback(type(self.linear_qkv).__name__)
+        if self.config.fp8 or self.config.fp4:
+            raise ValueError(f"head chunks (head_chunk_size={chunk} < {heads} heads per TP rank) run the QKV GEMM "
+                             f"outside TransformerEngine and do not implement fp8={self.config.fp8!r} / "
+                             f"fp4={self.config.fp4!r}; set head_chunk_size={heads} (no chunks) or train in bf16")
+        qk_norm = not all(isinstance(m, (type(None), IdentityOp)) for m in (self.q_layernorm, self.k_layernorm))
+        if qk_norm or not (type(self.linear_qkv) is ColumnParallelLinear or _has_input_norm(self.linear_qkv)):
+            _warn_upipe_fallback("q/k layernorm" if qk_norm else f"linear_qkv {type(self.linear_qkv).__name__}")
             return None
         return chunk
 
@@ -128,7 +158,8 @@ class HSAPSelfAttention(SelfAttention):
             key = apply_rotary_pos_emb(key, k_table[positions], config=self.config)
 
         def core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            return context_parallel_attention(q, k, v, plan, causal=True, softmax_scale=self.hsap_softmax_scale)
+            return context_parallel_attention(q, k, v, plan, causal=self.hsap_causal,
+                                              softmax_scale=self.hsap_softmax_scale)
 
         if self.checkpoint_core_attention and self.training:  # --recompute-granularity selective
             return tensor_parallel.checkpoint(core, False, query[:, 0], key[:, 0], value[:, 0])
@@ -138,52 +169,129 @@ class HSAPSelfAttention(SelfAttention):
                          k_table: Optional[torch.Tensor], chunk: int) -> torch.Tensor:
         """UPipe: the fused per-head-chunk QKV projection + attention (the full-head QKV is never built).
 
-        Takes ``linear_qkv``'s weight directly, so the input goes through the same TP region
-        ColumnParallelLinear would use (sequence-parallel all-gather, or copy with a backward
+        Takes ``linear_qkv``'s weight directly (after its input norm when it is TE's
+        ``TELayerNormColumnParallelLinear``) with ColumnParallelLinear's TP semantics: under
+        sequence parallelism ``head_chunked_attention`` gathers the shard itself and keeps only
+        the shard for the backward; without it the input is copied into the TP region (backward
         all-reduce). Its backward recomputes each chunk's projection, so selective recompute
         adds nothing here. Returns ``[t_local, 1, h_q/tp * d]``.
         """
-        from megatron.core.tensor_parallel.mappings import (
-            copy_to_tensor_model_parallel_region,
-            gather_from_sequence_parallel_region,
-        )
+        from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
 
         from megatron_hsap.attention.upipe import head_chunked_attention
 
         if q_table is not None and q_table is not k_table:
             raise NotImplementedError("UPipe takes one rotary table for queries and keys")
-        tp_group = self.pg_collection.tp
+        hidden = hidden_states
+        if _has_input_norm(self.linear_qkv):
+            hidden = _input_norm(self.linear_qkv, hidden)
+        tp_group, sp_group = self.pg_collection.tp, None
         if self.config.sequence_parallel and tp_group.size() > 1:
-            hidden = gather_from_sequence_parallel_region(hidden_states, group=tp_group)
+            sp_group = tp_group
         elif tp_group.size() > 1:
-            hidden = copy_to_tensor_model_parallel_region(hidden_states, group=tp_group)
-        else:
-            hidden = hidden_states
+            hidden = copy_to_tensor_model_parallel_region(hidden, group=tp_group)
         freqs = None
         if q_table is not None:
-            freqs = q_table[plan.position_ids.to(q_table.device)].reshape(hidden.shape[0], -1)
+            freqs = q_table[plan.position_ids.to(q_table.device)].reshape(plan.tokens_per_rank, -1)
+        bias = self.linear_qkv.bias
+        if bias is not None and bias.numel() == 0:  # TE keeps an empty tensor when bias=False
+            bias = None
         return head_chunked_attention(
-            hidden, self.linear_qkv.weight, self.linear_qkv.bias, plan,
+            hidden, self.linear_qkv.weight, bias, plan,
             num_heads_q=self.num_attention_heads_per_partition, num_heads_kv=self.num_query_groups_per_partition,
-            head_dim=self.hidden_size_per_attention_head, rotary_freqs=freqs, rope_base=None, causal=True,
-            softmax_scale=self.hsap_softmax_scale, head_chunk_size=chunk)
+            head_dim=self.hidden_size_per_attention_head, rotary_freqs=freqs, rope_base=None,
+            causal=self.hsap_causal, softmax_scale=self.hsap_softmax_scale, head_chunk_size=chunk,
+            rotary_interleaved=self.config.rotary_interleaved, sequence_parallel_group=sp_group)
 
 
 _warned_upipe_fallback = False
 
 
-def _warn_upipe_fallback(linear_qkv: str) -> None:
+def _warn_upipe_fallback(what: str) -> None:
     global _warned_upipe_fallback
     if _warned_upipe_fallback:
         return
     _warned_upipe_fallback = True
-    warnings.warn(f"head chunks (UPipe) need a plain ColumnParallelLinear linear_qkv and no q/k layernorm; this "
-                  f"model has {linear_qkv}: using unchunked HSAP attention instead", stacklevel=3)
+    warnings.warn(f"head chunks (UPipe) need a ColumnParallelLinear or TELayerNormColumnParallelLinear linear_qkv "
+                  f"and no q/k layernorm; this model has {what}: using unchunked HSAP attention instead", stacklevel=3)
 
 
-def check_hsap_attention_config(config: Any) -> None:
-    """Reject TransformerConfig settings the HSAP attention core does not implement (before any collective)."""
+#: The attributes of TransformerEngine's ``LayerNormLinear`` (Megatron's ``TELayerNormColumnParallelLinear``)
+#: that define its input norm; a linear_qkv with all of them normalizes its input before the GEMM.
+INPUT_NORM_ATTRIBUTES = ("layer_norm_weight", "layer_norm_bias", "normalization", "zero_centered_gamma", "eps")
+
+
+def _has_input_norm(linear: torch.nn.Module) -> bool:
+    return all(hasattr(linear, name) for name in INPUT_NORM_ATTRIBUTES)
+
+
+def _input_norm(linear: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """The norm TE's ``LayerNormLinear`` applies before its GEMM, by autograd (so its weight/bias get gradients).
+
+    x ``[t(/tp under sequence parallelism), 1, hidden]``: this rank's rows, normalized before any gather,
+    as TE does. Computed in fp32 (fp64 stays fp64) and cast back, like TE's kernels, so
+    ``zero_centered_gamma``'s ``1 + gamma`` is not rounded to bf16; autograd keeps that fp32 copy of x.
+    """
+    compute = torch.float64 if x.dtype == torch.float64 else torch.float32
+    weight = linear.layer_norm_weight.to(compute)
+    if linear.zero_centered_gamma:
+        weight = weight + 1
+    if linear.normalization == "LayerNorm":
+        bias = None if linear.layer_norm_bias is None else linear.layer_norm_bias.to(compute)
+        y = F.layer_norm(x.to(compute), weight.shape, weight, bias, linear.eps)
+    elif linear.normalization == "RMSNorm":
+        y = F.rms_norm(x.to(compute), weight.shape, weight, linear.eps)
+    else:
+        raise ValueError(f"{type(linear).__name__}.normalization={linear.normalization!r} is not supported with "
+                         "head chunks; allowed: 'LayerNorm', 'RMSNorm'")
+    return y.to(x.dtype)
+
+
+def _check_submodules_buildable(submodules: Any) -> None:
+    """A TE spec built where TransformerEngine is not installed holds Megatron's placeholders for the TE
+    classes, which would "build" without an error: refuse them by name."""
+    from megatron.core.extensions import transformer_engine as te_ext
+
+    if te_ext.HAVE_TE:
+        return
+    placeholders = {id(value) for name, value in vars(te_ext).items() if name.startswith("TE")}
+    for field in dataclasses.fields(submodules):
+        module = getattr(submodules, field.name)
+        module = module.module if isinstance(module, ModuleSpec) else module
+        if id(module) in placeholders:
+            raise ValueError(f"self_attention submodule {field.name}={module!r} is a TransformerEngine class, but "
+                             "transformer_engine is not installed; use the local spec (--transformer-impl local)")
+
+
+def check_hsap_attention_config(config: Any, attn_mask_type: AttnMaskType = AttnMaskType.causal) -> None:
+    """Reject settings the HSAP attention path does not implement, with the allowed values.
+
+    Called when ``HSAPSelfAttention`` is built (and by ``convert_model_to_hsap``), so a bad
+    setting fails on every rank before any collective instead of silently changing results.
+    Implemented, hence accepted: causal and full (``FULL_MASK_TYPES``) masks inside each
+    document, ``rotary_interleaved`` (also with head chunks), ``no_rope_freq``.
+    """
+    # --- Sliding window: rejected until the HSAP core takes window_size (then pass it through here). ---
+    if config.window_size is not None:
+        raise ValueError(f"window_size={config.window_size} (sliding-window attention) is not supported by HSAP "
+                         "attention; allowed: None")
+    # --- Everything else the HSAP core does not implement. ---
     if config.attention_dropout != 0.0:
         raise ValueError(f"attention_dropout={config.attention_dropout} is not supported by HSAP attention; use 0.0")
-    if getattr(config, "attention_output_gate", False):
-        raise ValueError("attention_output_gate=True is not supported by HSAP attention")
+    if config.attention_output_gate:
+        raise ValueError("attention_output_gate=True is not supported by HSAP attention; allowed: False")
+    if config.softmax_type != "vanilla":
+        raise ValueError(f"softmax_type={config.softmax_type!r} (attention sinks) is not supported by HSAP "
+                         "attention; allowed: 'vanilla'")
+    if config.qk_l2_norm:
+        raise ValueError("qk_l2_norm=True is not supported by HSAP attention; allowed: False")
+    if config.qk_clip or config.log_max_attention_logit:
+        raise ValueError(f"qk_clip={config.qk_clip} / log_max_attention_logit={config.log_max_attention_logit} need "
+                         "the attention logits, which HSAP attention does not report; allowed: False")
+    if config.multi_latent_attention:
+        raise ValueError("multi_latent_attention=True is not supported by HSAP attention (it replaces "
+                         "SelfAttention only); allowed: False")
+    if attn_mask_type not in CAUSAL_MASK_TYPES + FULL_MASK_TYPES:
+        allowed = ", ".join(m.name for m in CAUSAL_MASK_TYPES + FULL_MASK_TYPES)
+        raise ValueError(f"attn_mask_type={attn_mask_type.name} is not supported by HSAP attention (it masks by the "
+                         f"plan's documents); allowed: {allowed}")

@@ -29,7 +29,7 @@ def convert_model_to_hsap(model: torch.nn.Module, cp_config: ContextParallelConf
     if not attentions:
         raise ValueError("model has no megatron.core SelfAttention module to convert")
     for module in attentions:
-        check_hsap_attention_config(module.config)
+        check_hsap_attention_config(module.config, module.attn_mask_type)
     for module in attentions:
         if type(module) not in (SelfAttention, HSAPSelfAttention):
             raise ValueError(f"cannot convert {type(module).__name__}: only plain SelfAttention is supported")

@@ -36,17 +36,34 @@ Patches (each the smallest change that made a CPU run work):
    HSAP layer spec on CPU) is a plain torch LayerNorm/RMSNorm whose parameters
    carry ``sequence_parallel=True`` so their gradients are all-reduced over TP
    like Megatron's fused norms.
+8. The TransformerEngine layer spec without TransformerEngine
+   (``transformer_engine_spec_without_te()``, a context manager): Megatron's
+   ``get_gpt_layer_with_transformer_engine_spec`` needs ``TESpecProvider``, whose
+   module imports TE-only names (import-only placeholders here, removed right
+   after the import) and probes the TE version for q/k norms (answered with
+   ``TENorm``). The spec it returns names Megatron's TE placeholders, which cannot
+   build a model (``HSAPSelfAttention`` refuses them); it exists so the spec's
+   structure can be inspected and tested on CPU.
+
+Megatron-Bridge's ``pretrain()`` needs a few more spots (B1-B5), applied by
+``apply_bridge_cpu_shim()``; they are listed in that section at the end of this module.
 """
 
 from __future__ import annotations
 
+import builtins
 import contextlib
-from typing import Any, Dict, Optional
+import functools
+import importlib
+import importlib.util
+import types
+from typing import Any, Dict, Iterator, Optional
 
 import torch
 from torch.overrides import TorchFunctionMode
 
-__all__ = ["apply_cpu_shim", "cpu_config_overrides", "SequenceParallelTorchNorm"]
+__all__ = ["apply_cpu_shim", "apply_bridge_cpu_shim", "cpu_config_overrides", "SequenceParallelTorchNorm",
+           "transformer_engine_spec_without_te"]
 
 _ACTIVE = False
 _MODE: Optional[TorchFunctionMode] = None
@@ -160,3 +177,213 @@ class SequenceParallelTorchNorm:
         for param in norm.parameters():
             param.sequence_parallel = bool(config.sequence_parallel)
         return norm
+
+
+#: Names ``transformer_engine_spec_provider`` imports that Megatron defines only when TE is installed.
+_TE_ONLY_NAMES = ("TEActivationOp", "TEColumnParallelGroupedLinear", "TERowParallelGroupedLinear")
+
+
+class _NeedsTransformerEngine:
+    """Import-only placeholder for a TE-only class name (patch 8); never built."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        raise ImportError("this module needs transformer_engine, which is not installed")
+
+
+@contextlib.contextmanager
+def transformer_engine_spec_without_te() -> Iterator[None]:
+    """Patch 8: lets ``get_gpt_layer_with_transformer_engine_spec`` build its ModuleSpec tree without TE.
+
+    Does nothing where TE is installed. Inside the context ``gpt_layer_specs.TESpecProvider``
+    is Megatron's provider with ``layer_norm`` answering ``TENorm`` without the TE-version probe.
+    """
+
+    from megatron.core.extensions import transformer_engine as te_ext
+    from megatron.core.models.gpt import gpt_layer_specs
+
+    if te_ext.HAVE_TE:
+        yield
+        return
+    missing = [name for name in _TE_ONLY_NAMES if not hasattr(te_ext, name)]
+    for name in missing:
+        setattr(te_ext, name, _NeedsTransformerEngine)
+    try:
+        provider = importlib.import_module("megatron.core.extensions.transformer_engine_spec_provider")
+    finally:
+        for name in missing:
+            delattr(te_ext, name)
+
+    class SpecProviderWithoutTE(provider.TESpecProvider):
+        def layer_norm(self, rms_norm: bool = False, for_qk: bool = False) -> Any:
+            return te_ext.TENorm
+
+    gpt_layer_specs.TESpecProvider = SpecProviderWithoutTE
+    try:
+        yield
+    finally:
+        del gpt_layer_specs.TESpecProvider
+
+
+# --------------------------------------------------------------------------------------------------
+# Megatron-Bridge 0.3.1 on CPU ranks (``apply_bridge_cpu_shim``; docs/bridge.md)
+#
+# Bridge's own ``pretrain()`` runs unmodified on CPU ranks once these spots are bridged (each found by
+# running it on a machine without CUDA, TransformerEngine or triton):
+#
+# B1. Unconditional imports of names that are never called on the pretrain path:
+#     ``megatron.bridge.peft.lora`` / ``lora_layers`` import ``transformer_engine.pytorch`` (LoRA
+#     adapters subclass ``te.Linear``) and ``megatron.core.inference...triton.tensor_ops`` (reached
+#     through Bridge's Mamba provider) decorates kernels with ``triton.jit``. While Bridge is imported,
+#     exactly those modules get import-only placeholders; the hook is removed right after the import
+#     and no placeholder enters ``sys.modules``, so every other ``import transformer_engine`` still
+#     fails and Megatron-Core's "TE installed?" checks stay False.
+# B2. ``setup()`` calls ``initialize_megatron`` without ``allow_no_cuda``: passed as True.
+# B3. ``compile_helpers()`` runs ``make`` in megatron/core/datasets, but the wheel ships the compiled
+#     ``helpers_cpp`` and no Makefile: skipped when ``helpers_cpp`` imports.
+# B4. ``_set_random_seed`` seeds the model-parallel RNG tracker only when a GPU is counted; without it
+#     the tracker has no states (forks and checkpoints fail): it is seeded as on a GPU (the tracker
+#     itself is CPU-backed by patch 1).
+# B5. ``torch.cuda.Stream``/``stream``/``current_stream`` around DDP wrapping (model_provider) and
+#     ``torch.cuda.get_rng_state``/``set_rng_state`` in checkpointing: those two modules see a
+#     ``torch`` whose ``cuda`` namespace has CPU stand-ins (a stream that orders nothing, an empty
+#     CUDA RNG state); everything else is the real ``torch``.
+# Configuration a CPU run must choose (not patched): ``cfg.dist.distributed_backend = "gloo"`` and
+# the TransformerConfig fields of ``cpu_config_overrides()``.
+# --------------------------------------------------------------------------------------------------
+
+_BRIDGE_ACTIVE = False
+#: Importing module -> top-level packages it imports unconditionally although nothing calls them (B1).
+_IMPORT_ONLY_PLACEHOLDERS = {
+    "megatron.bridge.peft.lora": ("transformer_engine",),
+    "megatron.bridge.peft.lora_layers": ("transformer_engine",),
+    "megatron.core.inference.contexts.attention_context.triton.tensor_ops": ("triton",),
+}
+#: The Bridge modules ``megatron_hsap.bridge`` and its tests use; importing them imports the rest.
+_BRIDGE_MODULES = ("megatron.bridge.training.pretrain", "megatron.bridge.training.gpt_step",
+                   "megatron.bridge.training.setup", "megatron.bridge.training.initialize",
+                   "megatron.bridge.training.checkpointing", "megatron.bridge.models.model_provider")
+
+
+class _PlaceholderType(type):
+    """B1: any attribute is another placeholder and calling one gives a placeholder, so module-level
+    code (``class X(te.Linear)``, ``@triton.jit``, ``tl.constexpr`` annotations) can execute."""
+
+    def __getattr__(cls, name: str) -> Any:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return _PlaceholderType(f"{cls.__name__}.{name}", (), {})
+
+    def __call__(cls, *args: Any, **kwargs: Any) -> Any:
+        return _PlaceholderType(f"{cls.__name__}(...)", (), {})
+
+
+class _PlaceholderModule(types.ModuleType):
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return _PlaceholderType(f"{self.__name__}.{name}", (), {})
+
+
+@contextlib.contextmanager
+def _import_only_placeholders():
+    """B1: while active, the listed importers get placeholders for their missing packages."""
+    real_import = builtins.__import__
+
+    def guarded_import(name, globals=None, locals=None, fromlist=(), level=0):
+        try:
+            return real_import(name, globals, locals, fromlist, level)
+        except ImportError:
+            importer = (globals or {}).get("__name__", "")
+            if level != 0 or name.split(".")[0] not in _IMPORT_ONLY_PLACEHOLDERS.get(importer, ()):
+                raise
+            return _PlaceholderModule(name if fromlist else name.split(".")[0])
+
+    builtins.__import__ = guarded_import
+    try:
+        yield
+    finally:
+        builtins.__import__ = real_import
+
+
+class _CpuStream:
+    """B5: a stand-in for ``torch.cuda.Stream`` on CPU, where work is ordered already."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def wait_stream(self, stream: Any) -> None:
+        pass
+
+
+class _NamespaceProxy(types.ModuleType):
+    """A module that answers from ``overrides`` first, then from the wrapped module (B5)."""
+
+    def __init__(self, target: types.ModuleType, overrides: Dict[str, Any]) -> None:
+        super().__init__(target.__name__)
+        self.__dict__.update(overrides)
+        self._target = target
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._target, name)
+
+
+def _cpu_torch() -> types.ModuleType:
+    """B5: ``torch`` with CPU stand-ins for the stream and CUDA-RNG calls of Bridge's DDP wrapping and checkpoints."""
+    cuda = _NamespaceProxy(torch.cuda, {
+        "Stream": _CpuStream,
+        "stream": lambda stream=None: contextlib.nullcontext(),
+        "current_stream": lambda device=None: _CpuStream(),
+        "get_rng_state": lambda device="cuda": torch.empty(0, dtype=torch.uint8),
+        "set_rng_state": lambda new_state, device="cuda": None,
+    })
+    return _NamespaceProxy(torch, {"cuda": cuda})
+
+
+def apply_bridge_cpu_shim() -> bool:
+    """``apply_cpu_shim()`` plus the Megatron-Bridge spots B1-B5 above; imports Bridge.
+
+    Returns True when active, False on a CUDA machine (Bridge is then imported unmodified).
+    Idempotent. Raises ImportError when megatron-bridge is not installed (``make venv-bridge``).
+    """
+    global _BRIDGE_ACTIVE
+    if _BRIDGE_ACTIVE:
+        return True
+    if not apply_cpu_shim():
+        for name in _BRIDGE_MODULES:
+            importlib.import_module(name)
+        return False
+    with _import_only_placeholders():
+        modules = {name: importlib.import_module(name) for name in _BRIDGE_MODULES}
+    setup, initialize = modules["megatron.bridge.training.setup"], modules["megatron.bridge.training.initialize"]
+    setup.initialize_megatron = functools.partial(initialize.initialize_megatron, allow_no_cuda=True)
+    initialize.compile_helpers = _compile_helpers_unless_shipped(initialize.compile_helpers)
+    initialize._set_random_seed = _seed_rng_tracker_too(initialize._set_random_seed)
+    cpu_torch = _cpu_torch()
+    for name in ("megatron.bridge.models.model_provider", "megatron.bridge.training.checkpointing"):
+        modules[name].torch = cpu_torch
+    _BRIDGE_ACTIVE = True
+    return True
+
+
+def _compile_helpers_unless_shipped(compile_helpers: Any) -> Any:
+    """B3."""
+
+    def maybe_compile() -> None:
+        if importlib.util.find_spec("megatron.core.datasets.helpers_cpp") is None:
+            compile_helpers()
+
+    return maybe_compile
+
+
+def _seed_rng_tracker_too(set_random_seed: Any) -> Any:
+    """B4: run Bridge's seeding as if one GPU were counted, so it also seeds the (CPU) RNG tracker."""
+
+    def seed(*args: Any, **kwargs: Any) -> None:
+        device_count = torch.cuda.device_count
+        torch.cuda.device_count = lambda: 1
+        try:
+            set_random_seed(*args, **kwargs)
+        finally:
+            torch.cuda.device_count = device_count
+
+    return seed

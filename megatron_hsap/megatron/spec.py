@@ -2,15 +2,17 @@
 
 In the style of Megatron's ``get_gpt_layer_local_spec`` /
 ``get_gpt_layer_with_transformer_engine_spec``: the specs are Megatron's own (TE
-modules on a GPU where TransformerEngine is installed, local modules otherwise)
-with one change, the self-attention module is ``HSAPSelfAttention``. On CPU the
-norms are ``SequenceParallelTorchNorm`` (see ``cpu_shim``) so sequence
-parallelism works without apex/TE.
+modules, as ``--transformer-impl transformer_engine`` selects, or local modules)
+with one change, the self-attention module is ``HSAPSelfAttention``. On the TE spec
+the input norm is fused into ``linear_qkv`` (``TELayerNormColumnParallelLinear``),
+which the head-chunked path handles. On CPU the local spec's norms are
+``SequenceParallelTorchNorm`` (see ``cpu_shim``) so sequence parallelism works
+without apex/TE; without TE the TE spec can still be built, for inspection only.
 """
 
 from __future__ import annotations
 
-import copy
+import dataclasses
 import importlib.util
 from typing import Any, Optional
 
@@ -24,10 +26,14 @@ from megatron.core.transformer.transformer_block import TransformerBlockSubmodul
 
 from megatron_hsap.config import ContextParallelConfig
 from megatron_hsap.megatron.attention import HSAPSelfAttention
-from megatron_hsap.megatron.cpu_shim import SequenceParallelTorchNorm
+from megatron_hsap.megatron.cpu_shim import SequenceParallelTorchNorm, transformer_engine_spec_without_te
 from megatron_hsap.megatron.sequence_chunks import TiledMLP, sequence_chunk_bounds
 
-__all__ = ["get_gpt_layer_hsap_spec", "get_gpt_decoder_block_hsap_spec", "transformer_engine_usable"]
+__all__ = ["get_gpt_layer_hsap_spec", "get_gpt_decoder_block_hsap_spec", "transformer_engine_usable",
+           "use_transformer_engine", "TRANSFORMER_IMPLS"]
+
+#: Megatron-LM's ``--transformer-impl`` choices.
+TRANSFORMER_IMPLS = ("local", "transformer_engine")
 
 
 def transformer_engine_usable() -> bool:
@@ -35,12 +41,25 @@ def transformer_engine_usable() -> bool:
     return torch.cuda.is_available() and importlib.util.find_spec("transformer_engine") is not None
 
 
+def use_transformer_engine(transformer_impl: str) -> bool:
+    """Whether ``--transformer-impl`` selects the TE spec; a clear error where TE cannot run."""
+    if transformer_impl not in TRANSFORMER_IMPLS:
+        raise ValueError(f"transformer_impl={transformer_impl!r} is not supported; allowed: "
+                         f"{', '.join(TRANSFORMER_IMPLS)}")
+    if transformer_impl == "transformer_engine" and not transformer_engine_usable():
+        raise ValueError("--transformer-impl transformer_engine needs the transformer_engine package and a CUDA "
+                         f"device (installed: {importlib.util.find_spec('transformer_engine') is not None}, "
+                         f"CUDA: {torch.cuda.is_available()}); use --transformer-impl local")
+    return transformer_impl == "transformer_engine"
+
+
 def get_gpt_layer_hsap_spec(cp_config: ContextParallelConfig, num_experts: Optional[int] = None,
                             qk_layernorm: bool = False, normalization: str = "LayerNorm",
                             use_transformer_engine: Optional[bool] = None, mlp_sequence_chunks: int = 1) -> ModuleSpec:
     """A GPT transformer-layer spec whose self-attention is HSAP's, everything else Megatron's.
 
-    use_transformer_engine: None = TE when ``transformer_engine_usable()``; True/False forces it.
+    use_transformer_engine: None = TE when ``transformer_engine_usable()``; True/False forces it (True without
+    TE builds the spec for inspection only: a model built from it raises).
     mlp_sequence_chunks > 1: the (dense) MLP is ``TiledMLP``, computed in that many sequence tiles with recompute.
     """
     if not isinstance(cp_config, ContextParallelConfig):
@@ -49,11 +68,12 @@ def get_gpt_layer_hsap_spec(cp_config: ContextParallelConfig, num_experts: Optio
         raise ValueError(f"normalization={normalization!r} is not supported; allowed: 'LayerNorm', 'RMSNorm'")
     use_te = transformer_engine_usable() if use_transformer_engine is None else use_transformer_engine
     if use_te:
-        spec = get_gpt_layer_with_transformer_engine_spec(num_experts=num_experts, qk_layernorm=qk_layernorm)
+        with transformer_engine_spec_without_te():
+            spec = get_gpt_layer_with_transformer_engine_spec(num_experts=num_experts, qk_layernorm=qk_layernorm)
     else:
         spec = get_gpt_layer_local_spec(num_experts=num_experts, qk_layernorm=qk_layernorm,
                                         normalization=normalization)
-    spec = copy.deepcopy(spec)
+    spec = _copy_spec(spec)
     attention = spec.submodules.self_attention
     spec.submodules.self_attention = ModuleSpec(module=HSAPSelfAttention,
                                                 params={**attention.params, "cp_config": cp_config},
@@ -63,6 +83,17 @@ def get_gpt_layer_hsap_spec(cp_config: ContextParallelConfig, num_experts: Optio
     if mlp_sequence_chunks != 1:
         _use_tiled_mlp(spec, mlp_sequence_chunks)
     return spec
+
+
+def _copy_spec(node: Any) -> Any:
+    """A copy of a spec's ModuleSpec / submodules-dataclass tree that shares the module classes (a deepcopy
+    fails on the TE placeholders of a spec built without TE); what ``get_gpt_layer_hsap_spec`` edits is copied."""
+    if isinstance(node, ModuleSpec):
+        return dataclasses.replace(node, params=dict(node.params), submodules=_copy_spec(node.submodules))
+    if dataclasses.is_dataclass(node) and not isinstance(node, type):
+        return dataclasses.replace(node, **{f.name: _copy_spec(getattr(node, f.name))
+                                            for f in dataclasses.fields(node) if f.init})
+    return node
 
 
 def _use_tiled_mlp(spec: ModuleSpec, chunks: int) -> None:

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_hsap.config import LAYOUTS
+from megatron_hsap.head_split import split_heads
 from megatron_hsap.parallel_state import CPTopology
 from megatron_hsap.sequence.cost_model import CostModel
 from megatron_hsap.sequence.layouts import Segment, check_table, contiguous_table, table_segments, zigzag_table
@@ -354,7 +355,8 @@ class BatchPlan:
         """
         topo = self.topology
         ulysses, ring, cp = topo.ulysses_size, topo.ring_size, topo.cp_size
-        kv_heads = validate_head_counts(num_heads_q, num_heads_kv, ulysses)
+        heads = split_heads(num_heads_q, num_heads_kv, ulysses)
+        q_heads, kv_heads = heads.query_counts, heads.kv_counts
         elem = torch.empty((), dtype=dtype).element_size()
         pieces = self._data.pieces
         lengths = self._data.doc_lengths
@@ -366,7 +368,7 @@ class BatchPlan:
             for doc, doc_pieces in pieces[m].items():
                 for _, q0, q1 in doc_pieces:
                     area[m] += (q0 + 1 + q1) * (q1 - q0) // 2 if causal else (q1 - q0) * lengths[doc]
-        flops = [4 * area[c // ulysses] * (num_heads_q // ulysses) * head_dim for c in range(cp)]
+        flops = [4 * area[c // ulysses] * q_heads[c % ulysses] * head_dim for c in range(cp)]
 
         send_intra, send_inter = [0] * cp, [0] * cp
         recv_intra, recv_inter = [0] * cp, [0] * cp
@@ -381,21 +383,22 @@ class BatchPlan:
                 send_inter[src] += nbytes
                 recv_inter[dst] += nbytes
 
-        a2a_bytes = self.tokens_per_rank * head_dim * elem * (2 * num_heads_q + 2 * kv_heads) // ulysses
+        slice_bytes = self.tokens_per_rank * head_dim * elem  # one head of one rank's tokens
         for c in range(cp):
             member = c // ulysses
             for peer in topo.ring_member_ranks(member):
-                if peer != c:
-                    add(c, peer, a2a_bytes)
-        row_bytes = 2 * (kv_heads // ulysses) * head_dim * elem
+                if peer != c:  # q, k, v of the peer's heads there; the output of this rank's heads back
+                    p = peer % ulysses
+                    add(c, peer, slice_bytes * (q_heads[p] + 2 * kv_heads[p] + q_heads[c % ulysses]))
         for a in range(ring):
             for b in range(ring):
                 if a != b:
                     rows = needed_rows(pieces[a], pieces[b], causal)
                     for u in range(ulysses):
-                        add(b * ulysses + u, a * ulysses + u, rows * row_bytes)
+                        add(b * ulysses + u, a * ulysses + u, rows * 2 * kv_heads[u] * head_dim * elem)
         # With forwarding a node receives, from each remote member, the rows any of its members needs:
         # the node's pieces of a document taken together, causal limit = the latest query of any member.
+        row_bytes = 2 * sum(kv_heads) * head_dim * elem  # every Ulysses rank's KV heads of one row
         node_of_member = [topo.node_of_cp_rank[m * ulysses] for m in range(ring)]
         nodes = sorted(set(node_of_member))
         forwarded = []
@@ -406,7 +409,7 @@ class BatchPlan:
                     for doc, doc_pieces in pieces[m].items():
                         node_docs.setdefault(doc, []).extend(doc_pieces)
             rows = sum(needed_rows(node_docs, pieces[b], causal) for b in range(ring) if node_of_member[b] != node)
-            forwarded.append(rows * row_bytes * ulysses)
+            forwarded.append(rows * row_bytes)
         return PlanStats(tokens, padding, flops, send_intra, send_inter, recv_intra, recv_inter, forwarded)
 
 
@@ -424,17 +427,6 @@ def needed_rows(q_docs: Dict[int, List[Piece]], k_docs: Dict[int, List[Piece]], 
 
 
 def validate_head_counts(num_heads_q: int, num_heads_kv: int, ulysses_size: int) -> int:
-    """KV heads after replication for the all-to-all (KV heads are replicated when fewer than the Ulysses size)."""
-    if num_heads_kv < 1 or num_heads_q % num_heads_kv != 0:
-        raise ValueError(f"num_heads_q={num_heads_q} must be a multiple of num_heads_kv={num_heads_kv}")
-    if num_heads_q % ulysses_size != 0:
-        raise ValueError(f"num_heads_q={num_heads_q} (per TP rank) must be divisible by ulysses_size={ulysses_size}")
-    if num_heads_kv >= ulysses_size:
-        if num_heads_kv % ulysses_size != 0:
-            raise ValueError(f"num_heads_kv={num_heads_kv} (per TP rank) must be divisible by ulysses_size={ulysses_size}, "
-                             f"or divide it (KV heads are then replicated)")
-        return num_heads_kv
-    if ulysses_size % num_heads_kv != 0:
-        raise ValueError(f"num_heads_kv={num_heads_kv} (per TP rank) must divide ulysses_size={ulysses_size} "
-                         "so KV heads can be replicated evenly")
-    return ulysses_size
+    """KV heads held over the Ulysses group (``HeadSplit.kv_heads_held``: each rank holds exactly the KV heads
+    its query heads use); ValueError naming the argument for zero, non-int or non-GQA head counts."""
+    return split_heads(num_heads_q, num_heads_kv, ulysses_size).kv_heads_held

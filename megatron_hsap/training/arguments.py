@@ -5,6 +5,12 @@ there, plus the HSAP ones (``--context-parallel-mode``, ``--ulysses-size``,
 ``--head-chunk-size``, ``--cp-layout``, ``--attention-kernel``, ``--ranks-per-node``).
 Every rank parses and validates the same flags, so a bad value stops all ranks
 with the same message (exit code 2) before anything can hang.
+
+Megatron-LM's own flags all parse (docs/training.md, "Megatron-LM flags"): the ones
+that change nothing on this path are listed once as ignored (``args.compat_notes``,
+printed by rank 0); the ones that would change results and are not supported are
+errors naming the flag; Megatron-LM's context-parallel and attention-backend flags
+map onto the HSAP ones.
 """
 
 from __future__ import annotations
@@ -17,8 +23,41 @@ from typing import List, Optional
 
 from megatron_hsap.config import KERNELS, LAYOUTS, MODES, ContextParallelConfig
 from megatron_hsap.training.dataset_check import check_indexed_dataset
+from megatron_hsap.training.tokenizer import TOKENIZER_TYPES, check_tokenizer_args, resolve_tokenizer_type
 
-__all__ = ["DEMO_FLAGS", "build_parser", "parse_args", "validate_args", "cp_config_from_args", "data_path_prefixes"]
+__all__ = ["DEMO_FLAGS", "IGNORED_FLAGS", "build_parser", "parse_args", "validate_args", "cp_config_from_args",
+           "data_path_prefixes"]
+
+#: Megatron-LM flags that change nothing on this path (performance, profiling, data-loader and TE-only
+#: settings): accepted and listed once as ignored. flag -> nargs (0: a switch).
+IGNORED_FLAGS = {
+    "--use-mcore-models": 0, "--overlap-grad-reduce": 0, "--overlap-param-gather": 0,
+    "--cross-entropy-loss-fusion": 0, "--manual-gc": 0, "--manual-gc-interval": 1,
+    "--empty-unused-memory-level": 1, "--num-workers": 1, "--no-create-attention-mask-in-dataloader": 0,
+    "--no-mmap-bin-files": 0, "--profile": 0, "--profile-step-start": 1, "--profile-step-end": 1,
+    "--profile-ranks": "+", "--use-pytorch-profiler": 0, "--tp-comm-overlap": 0,
+    "--no-gradient-accumulation-fusion": 0, "--no-masked-softmax-fusion": 0, "--no-bias-gelu-fusion": 0,
+    "--no-bias-swiglu-fusion": 0, "--no-bias-dropout-fusion": 0, "--no-rope-fusion": 0,
+    "--fp8-amax-history-len": 1, "--fp8-amax-compute-algo": 1, "--fp8-param-gather": 0,
+    "--timing-log-level": 1, "--ddp-bucket-size": 1, "--ddp-average-in-collective": 0,
+    "--accumulate-allreduce-grads-in-fp32": 0,
+}
+#: Megatron-LM flags that would change results and are not supported here -> why (an error naming the flag).
+_UNSUPPORTED_FLAGS = {
+    "fp16": ("--fp16", "fp16 training needs dynamic loss scaling with skipped iterations, which this loop "
+                       "does not do; use --bf16 (or the fp32 default)"),
+    "rampup_batch_size": ("--rampup-batch-size", "the global batch size is constant on this path; drop the flag"),
+    "fp8_format": ("--fp8-format", "FP8 training is not supported on the HSAP path; use --bf16"),
+    "apply_layernorm_1p": ("--apply-layernorm-1p", "zero-centred norm weights are not supported by the HSAP "
+                                                   "layer spec; drop the flag"),
+}
+#: Megatron-LM's --cp-comm-type -> the HSAP --context-parallel-mode it means.
+CP_COMM_TYPES = {"p2p": "ring", "a2a": "ulysses", "a2a+p2p": "hybrid"}
+#: Megatron-LM's --attention-backend -> --attention-kernel (fused = TE's cuDNN attention; local = PyTorch).
+ATTENTION_BACKENDS = {"auto": "auto", "flash": "flash", "fused": "te", "unfused": "torch", "local": "torch"}
+#: Defaults of flags whose default depends on other flags (resolved by validate_args).
+DEFAULT_TRAIN_ITERS = 100
+DEFAULT_LR_WARMUP_ITERS = 10
 
 
 def _positive_int(text: str) -> int:
@@ -61,12 +100,21 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--hidden-size", type=_positive_int, default=64)
     g.add_argument("--num-attention-heads", type=_positive_int, default=8)
     g.add_argument("--num-query-groups", type=_positive_int, default=None,
-                   help="KV heads (grouped-query attention); default = --num-attention-heads")
+                   help="KV heads (grouped-query attention); default = --num-attention-heads (1 with "
+                        "--group-query-attention, as Megatron-LM)")
+    g.add_argument("--group-query-attention", action="store_true", help="Megatron-LM's switch for --num-query-groups")
+    g.add_argument("--kv-channels", type=_positive_int, default=None,
+                   help="head dimension; must be --hidden-size / --num-attention-heads (the default)")
     g.add_argument("--ffn-hidden-size", type=_positive_int, default=None, help="default 4 x hidden size")
     g.add_argument("--seq-length", type=_positive_int, default=256)
     g.add_argument("--max-position-embeddings", type=_positive_int, default=None, help="default --seq-length")
     g.add_argument("--position-embedding-type", choices=("rope", "learned_absolute"), default="rope")
     g.add_argument("--rotary-base", type=int, default=10000)
+    g.add_argument("--rotary-percent", type=float, default=1.0, help="must be 1.0 (rotary on the whole head)")
+    g.add_argument("--apply-layernorm-1p", action="store_true", help="not supported (an error)")
+    g.add_argument("--transformer-impl", choices=("local", "transformer_engine"), default=None,
+                   help="layer modules (default: transformer_engine with CUDA and TransformerEngine installed, "
+                        "else local)")
     g.add_argument("--normalization", choices=("LayerNorm", "RMSNorm"), default="LayerNorm")
     g.add_argument("--swiglu", action="store_true")
     g.add_argument("--untie-embeddings-and-output-weights", action="store_true")
@@ -86,14 +134,23 @@ def build_parser() -> argparse.ArgumentParser:
                    help="enables the interleaved 1F1B schedule")
     g.add_argument("--context-parallel-size", type=_positive_int, default=1)
     g.add_argument("--sequence-parallel", action="store_true")
-    g.add_argument("--context-parallel-mode", choices=MODES, default="hsap")
+    g.add_argument("--context-parallel-mode", choices=MODES, default=None,
+                   help="default hsap, or what --cp-comm-type names")
+    g.add_argument("--cp-comm-type", nargs="+", choices=tuple(CP_COMM_TYPES) + ("allgather",), default=None,
+                   help="Megatron-LM's name for the mode: p2p = ring, a2a = ulysses, a2a+p2p = hybrid (one type "
+                        "for all layers)")
+    g.add_argument("--hierarchical-context-parallel-sizes", nargs=2, type=_positive_int, default=None,
+                   metavar=("A2A", "P2P"), help="with --cp-comm-type a2a+p2p: the Ulysses size and the ring size")
     g.add_argument("--ulysses-size", type=_positive_int, default=None,
                    help="all-to-all degree inside the CP group (default: per mode, see docs/training.md)")
     g.add_argument("--head-chunk-size", type=_positive_int, default=None,
                    help="query heads per UPipe stage (hsap default: the Ulysses size)")
     g.add_argument("--cp-layout", choices=LAYOUTS, default=None,
                    help="token placement (default: sequence-aware for hsap, zigzag otherwise)")
-    g.add_argument("--attention-kernel", choices=KERNELS, default="auto")
+    g.add_argument("--attention-kernel", choices=KERNELS, default=None, help="default auto")
+    g.add_argument("--attention-backend", choices=tuple(ATTENTION_BACKENDS), default=None,
+                   help="Megatron-LM's name for the kernel: flash = flash, fused = te, unfused/local = torch")
+    g.add_argument("--use-flash-attn", action="store_true", help="= --attention-kernel flash")
     g.add_argument("--ranks-per-node", type=_positive_int, default=None,
                    help="ranks per node; set it to emulate several nodes on one machine (default: LOCAL_WORLD_SIZE)")
     g.add_argument("--distributed-backend", choices=("auto", "gloo", "nccl"), default="auto")
@@ -107,10 +164,24 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("training")
     g.add_argument("--micro-batch-size", type=_positive_int, default=1)
     g.add_argument("--global-batch-size", type=_positive_int, default=None, help="default micro x data-parallel")
-    g.add_argument("--train-iters", type=_positive_int, default=100)
+    g.add_argument("--rampup-batch-size", nargs=3, default=None, metavar=("START", "INCREMENT", "SAMPLES"),
+                   help="not supported (an error)")
+    g.add_argument("--train-iters", type=_positive_int, default=None, help=f"default {DEFAULT_TRAIN_ITERS}")
+    g.add_argument("--train-samples", type=_positive_int, default=None,
+                   help="instead of --train-iters: iterations = samples // global batch size (as Megatron-LM)")
     g.add_argument("--lr", type=float, default=3e-3)
     g.add_argument("--min-lr", type=float, default=3e-4)
-    g.add_argument("--lr-warmup-iters", type=_non_negative_int, default=10)
+    g.add_argument("--decoupled-lr", type=float, default=None,
+                   help="peak learning rate of the embedding and output layers (default --lr)")
+    g.add_argument("--decoupled-min-lr", type=float, default=None,
+                   help="with --decoupled-lr: their minimum learning rate (default --min-lr)")
+    g.add_argument("--lr-warmup-iters", type=_non_negative_int, default=None,
+                   help=f"default {DEFAULT_LR_WARMUP_ITERS} with --train-iters")
+    g.add_argument("--lr-warmup-samples", type=_non_negative_int, default=None, help="with --train-samples")
+    g.add_argument("--lr-warmup-fraction", type=_non_negative_float, default=None,
+                   help="warmup as a fraction of the decay length")
+    g.add_argument("--lr-decay-iters", type=_positive_int, default=None, help="default --train-iters")
+    g.add_argument("--lr-decay-samples", type=_positive_int, default=None, help="default --train-samples")
     g.add_argument("--lr-decay-style", choices=("cosine", "linear", "constant"), default="cosine")
     g.add_argument("--weight-decay", type=float, default=0.01)
     g.add_argument("--adam-beta1", type=float, default=0.9)
@@ -120,23 +191,29 @@ def build_parser() -> argparse.ArgumentParser:
     precision = g.add_mutually_exclusive_group()
     precision.add_argument("--bf16", action="store_true")
     precision.add_argument("--fp32", action="store_true", help="the default; listed for Megatron compatibility")
+    precision.add_argument("--fp16", action="store_true", help="not supported (an error naming --bf16)")
+    g.add_argument("--fp8-format", choices=("e4m3", "hybrid"), default=None, help="not supported (an error)")
+    g.add_argument("--grad-reduce-in-bf16", action="store_true",
+                   help="with --bf16: reduce gradients over data-parallel ranks in bf16 (default fp32)")
+    g.add_argument("--calculate-per-token-loss", action="store_true",
+                   help="accepted where it equals this loss: every micro-batch has the same number of loss tokens")
     g.add_argument("--use-distributed-optimizer", action="store_true")
     g.add_argument("--recompute-granularity", choices=("full", "selective"), default=None)
     g.add_argument("--recompute-method", choices=("uniform", "block"), default="uniform")
     g.add_argument("--recompute-num-layers", type=_positive_int, default=1)
+    g.add_argument("--recompute-activations", action="store_true", help="= --recompute-granularity selective")
 
     g = p.add_argument_group("data")
     g.add_argument("--data-path", nargs="+", default=None,
                    help="indexed dataset prefix(es), optionally weighted: [w1] p1 [w2] p2 ...")
     g.add_argument("--split", default="969,30,1")
-    g.add_argument("--tokenizer-type", choices=("ByteLevelTokenizer", "HuggingFaceTokenizer", "NullTokenizer"),
-                   default="ByteLevelTokenizer")
-    g.add_argument("--tokenizer-model", default=None, help="local path of a Hugging Face tokenizer")
-    g.add_argument("--vocab-size", type=_positive_int, default=None, help="for NullTokenizer")
+    add_tokenizer_args(g)
     g.add_argument("--mock-data", action="store_true")
     g.add_argument("--reset-attention-mask", action="store_true",
                    help="documents end at EOD tokens inside a sample (packed documents); default on for the "
                         "embedded corpus")
+    g.add_argument("--reset-position-ids", action="store_true",
+                   help="positions restart after EOD; that is what --reset-attention-mask does here, so it needs it")
     g.add_argument("--eod-mask-loss", action="store_true", help="no loss on EOD input tokens")
     g.add_argument("--data-cache-path", default=None)
 
@@ -145,6 +222,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--load", default=None)
     g.add_argument("--save-interval", type=_positive_int, default=None)
     g.add_argument("--no-load-optim", action="store_true")
+    g.add_argument("--no-load-rng", action="store_true", help="do not restore the RNG states from --load")
+    g.add_argument("--finetune", action="store_true",
+                   help="load only the model weights and start at iteration 0 (no optimizer, RNG or scheduler)")
+    g.add_argument("--use-checkpoint-args", action="store_true",
+                   help="take the model-shape flags from the --load checkpoint")
+    g.add_argument("--ckpt-format", choices=("torch", "torch_dist", "zarr", "torch_dcp", "fsdp_dtensor"),
+                   default="torch_dist", help="only torch_dist (the default) is supported")
     g.add_argument("--exit-interval", type=_positive_int, default=None,
                    help="stop at the first iteration divisible by this (saving first when --save is given)")
     g.add_argument("--exit-duration-in-mins", type=_non_negative_float, default=None,
@@ -166,8 +250,28 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--tensorboard-dir", default=None)
     g.add_argument("--no-progress-bar", action="store_true")
     g.add_argument("--log-json", default=None, help="write one JSON record per iteration to this file (rank 0)")
+
+    g = p.add_argument_group("Megatron-LM flags without effect on this path (accepted, listed once as ignored)")
+    for flag, nargs in IGNORED_FLAGS.items():
+        if nargs == 0:
+            g.add_argument(flag, action="store_const", const=True, default=None)
+        else:
+            g.add_argument(flag, nargs=None if nargs == 1 else nargs, default=None)
     add_sequence_chunk_args(p)
+    add_evaluation_logging_args(p)
     return p
+
+
+def add_tokenizer_args(group: argparse._ActionsContainer) -> None:
+    """Megatron-LM's tokenizer flags (shared with tools/preprocess_data.py)."""
+    group.add_argument("--tokenizer-type", choices=TOKENIZER_TYPES, default=None,
+                       help="default: GPT2BPETokenizer with --vocab-file and --merge-file, else ByteLevelTokenizer")
+    group.add_argument("--tokenizer-model", default=None,
+                       help="local path: a Hugging Face tokenizer directory, a SentencePiece or tiktoken model")
+    group.add_argument("--vocab-file", default=None, help="GPT2BPETokenizer's vocab.json")
+    group.add_argument("--merge-file", default=None, help="GPT2BPETokenizer's merges.txt")
+    group.add_argument("--vocab-size", type=_positive_int, default=None, help="for NullTokenizer (and TikTokenizer)")
+    group.add_argument("--tiktoken-pattern", default=None, help="for TikTokenizer (v1 or v2)")
 
 
 #: The embedded default (``python pretrain_gpt_hsap.py`` with no flags, or ``--demo [overrides]``): a small
@@ -176,7 +280,7 @@ DEMO_FLAGS = ["--nproc", "8", "--ranks-per-node", "4", "--context-parallel-size"
               "--context-parallel-mode", "hsap", "--num-layers", "2", "--hidden-size", "64",
               "--num-attention-heads", "8", "--seq-length", "1024", "--micro-batch-size", "1",
               "--global-batch-size", "1", "--train-iters", "150", "--lr", "3e-3", "--min-lr", "3e-4",
-              "--lr-warmup-iters", "10", "--log-interval", "10"]
+              "--lr-warmup-iters", "10", "--log-interval", "10", "--eval-iters", "10"]
 
 
 def parse_args(argv: Optional[List[str]] = None, world_size: Optional[int] = None) -> argparse.Namespace:
@@ -201,8 +305,13 @@ def parse_args(argv: Optional[List[str]] = None, world_size: Optional[int] = Non
 
 
 def validate_args(args: argparse.Namespace, world_size: int) -> None:
-    """Fill derived defaults and reject inconsistent sizes (ValueError naming the flag)."""
+    """Fill derived defaults, map Megatron-LM's flags and reject inconsistent sizes (ValueError naming the flag).
+
+    Sets ``args.compat_notes``: lines for rank 0 to print once (flags ignored or turned off on this path).
+    """
     tp, pp, cp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.context_parallel_size
+    args.compat_notes = []
+    _map_megatron_flags(args)
     if world_size % (tp * pp * cp) != 0:
         raise ValueError(f"world size {world_size} is not divisible by --tensor-model-parallel-size ({tp}) x "
                          f"--pipeline-model-parallel-size ({pp}) x --context-parallel-size ({cp})")
@@ -220,11 +329,10 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
                         ("--num-query-groups", args.num_query_groups)):
         if heads % tp != 0:
             raise ValueError(f"{flag} ({heads}) must be divisible by --tensor-model-parallel-size ({tp})")
-    if args.ulysses_size is not None and (args.num_attention_heads // tp) % args.ulysses_size != 0:
-        raise ValueError(f"--num-attention-heads ({args.num_attention_heads}) must be divisible by "
-                         f"--tensor-model-parallel-size x --ulysses-size ({tp} x {args.ulysses_size})")
     if args.sequence_parallel and tp == 1:
-        raise ValueError("--sequence-parallel needs --tensor-model-parallel-size > 1")
+        args.sequence_parallel = False
+        args.compat_notes.append("--sequence-parallel has no effect with --tensor-model-parallel-size 1: turned off "
+                                 "(as Megatron-LM does)")
     if args.sequence_parallel and args.seq_length % (tp * cp) != 0:
         raise ValueError(f"--seq-length ({args.seq_length}) must be divisible by --tensor-model-parallel-size x "
                          f"--context-parallel-size ({tp} x {cp}) with --sequence-parallel")
@@ -254,28 +362,36 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
     if args.num_layers_per_virtual_pipeline_stage is not None and args.num_microbatches % pp != 0:
         raise ValueError(f"the interleaved schedule needs the number of micro-batches ({args.num_microbatches}) "
                          f"to be divisible by --pipeline-model-parallel-size ({pp})")
-    if args.lr_warmup_iters >= args.train_iters:
-        raise ValueError(f"--lr-warmup-iters ({args.lr_warmup_iters}) must be smaller than --train-iters "
-                         f"({args.train_iters})")
+    _resolve_training_length(args)
+    _check_per_token_loss(args)
     if args.attention_dropout != 0.0:
         raise ValueError("--attention-dropout must be 0.0: HSAP attention has no dropout")
     if args.data_path is not None and args.mock_data:
         raise ValueError("--data-path and --mock-data are mutually exclusive")
-    for prefix in data_path_prefixes(args.data_path or []):
-        missing = [prefix + ext for ext in (".bin", ".idx") if not os.path.isfile(prefix + ext)]
-        if missing:
-            raise ValueError(f"--data-path: {', '.join(missing)} not found; build it with tools/preprocess_data.py, "
-                             "or use --mock-data, or omit --data-path to train on the embedded corpus")
-        check_indexed_dataset(prefix)
-    if args.tokenizer_type == "HuggingFaceTokenizer" and not args.tokenizer_model:
-        raise ValueError("--tokenizer-type HuggingFaceTokenizer needs --tokenizer-model (a local path)")
-    if args.tokenizer_type == "NullTokenizer" and args.vocab_size is None:
-        raise ValueError("--tokenizer-type NullTokenizer needs --vocab-size")
+    for flag, paths in (("--data-path", args.data_path), ("--valid-data-path", args.valid_data_path),
+                        ("--test-data-path", args.test_data_path)):
+        for prefix in data_path_prefixes(paths or []):
+            missing = [prefix + ext for ext in (".bin", ".idx") if not os.path.isfile(prefix + ext)]
+            if missing:
+                raise ValueError(f"{flag}: {', '.join(missing)} not found; build it with tools/preprocess_data.py, "
+                                 "or use --mock-data, or omit --data-path to train on the embedded corpus")
+            check_indexed_dataset(prefix)
+    implied = args.tokenizer_type is None and args.vocab_file is not None
+    args.tokenizer_type = resolve_tokenizer_type(args.tokenizer_type, args.vocab_file, args.merge_file)
+    try:
+        check_tokenizer_args(args.tokenizer_type, args.tokenizer_model, args.vocab_size, args.vocab_file,
+                             args.merge_file)
+    except ValueError as err:
+        raise ValueError(f"--vocab-file without --tokenizer-type: {err}" if implied else str(err)) from err
+    if args.tiktoken_pattern is not None and args.tokenizer_type != "TikTokenizer":
+        args.ignored_flags.append("--tiktoken-pattern")
     if args.data_path is None and not args.mock_data and args.tokenizer_type != "ByteLevelTokenizer":
         raise ValueError("without --data-path the embedded corpus is used, which needs --tokenizer-type "
                          "ByteLevelTokenizer; pass --data-path (or --mock-data) to use another tokenizer")
     if args.tensorboard_dir is not None and importlib.util.find_spec("tensorboard") is None:
         raise ValueError("--tensorboard-dir needs the tensorboard package (pip install tensorboard)")
+    if args.wandb_project and importlib.util.find_spec("wandb") is None:
+        raise ValueError("--wandb-project needs the wandb package (pip install wandb)")
     if args.save_interval is not None and args.save is None:
         raise ValueError("--save-interval needs --save")
     if args.load is not None and os.path.exists(args.load) and not os.path.isdir(args.load):
@@ -285,6 +401,143 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
                          f"({os.environ['WORLD_SIZE']})")
     cp_config_from_args(args)
     resolve_sequence_chunks(args)
+    if args.ignored_flags:
+        args.compat_notes.append(f"ignored on this path: {', '.join(args.ignored_flags)}")
+
+
+def _given(args: argparse.Namespace, dest: str) -> bool:
+    value = getattr(args, dest)
+    return value is not None and value is not False
+
+
+def _map_megatron_flags(args: argparse.Namespace) -> None:
+    """Megatron-LM's spellings -> the HSAP flags; unsupported result-changing flags -> ValueError naming them."""
+    args.ignored_flags = [flag for flag in IGNORED_FLAGS if getattr(args, _dest(flag)) is not None]
+    for dest, (flag, why) in _UNSUPPORTED_FLAGS.items():
+        if _given(args, dest):
+            raise ValueError(f"{flag} is not supported: {why}")
+    if args.grad_reduce_in_bf16 and not args.bf16:
+        raise ValueError("--grad-reduce-in-bf16 needs --bf16")
+    if args.decoupled_min_lr is not None and args.decoupled_lr is None:
+        raise ValueError("--decoupled-min-lr needs --decoupled-lr")
+    if args.ckpt_format != "torch_dist":
+        raise ValueError(f"--ckpt-format {args.ckpt_format} is not supported: checkpoints are written with "
+                         "Megatron-Core's dist_checkpointing (--ckpt-format torch_dist, the default)")
+    if args.rotary_percent != 1.0:
+        raise ValueError(f"--rotary-percent {args.rotary_percent:g} is not supported: the HSAP path rotates the "
+                         "whole head (1.0)")
+    head_dim = args.hidden_size // args.num_attention_heads
+    if args.kv_channels is not None and args.kv_channels != head_dim:
+        raise ValueError(f"--kv-channels ({args.kv_channels}) must equal --hidden-size / --num-attention-heads "
+                         f"({head_dim}): other head dimensions are not supported")
+    if args.group_query_attention and args.num_query_groups is None:
+        args.num_query_groups = 1  # Megatron-LM's default for --num-query-groups
+    if args.reset_position_ids and not args.reset_attention_mask and (args.data_path or args.mock_data):
+        raise ValueError("--reset-position-ids needs --reset-attention-mask: positions restart exactly where "
+                         "documents end on this path")
+    if args.recompute_activations:
+        if args.recompute_granularity == "full":
+            raise ValueError("--recompute-activations (selective) conflicts with --recompute-granularity full")
+        args.recompute_granularity = "selective"
+    _map_context_parallel_flags(args)
+    _map_attention_backend(args)
+
+
+def _dest(flag: str) -> str:
+    return flag.lstrip("-").replace("-", "_")
+
+
+def _map_context_parallel_flags(args: argparse.Namespace) -> None:
+    """``--cp-comm-type`` / ``--hierarchical-context-parallel-sizes`` -> ``--context-parallel-mode`` / ``--ulysses-size``."""
+    sizes = args.hierarchical_context_parallel_sizes
+    mode = None
+    if args.cp_comm_type is not None:
+        kinds = sorted(set(args.cp_comm_type))
+        if len(kinds) > 1:
+            raise ValueError(f"--cp-comm-type: one type for all layers is supported, got {' '.join(args.cp_comm_type)}")
+        if kinds[0] not in CP_COMM_TYPES:
+            raise ValueError(f"--cp-comm-type {kinds[0]} is not supported; allowed: {', '.join(CP_COMM_TYPES)} "
+                             "(or --context-parallel-mode hsap)")
+        mode = CP_COMM_TYPES[kinds[0]]
+    if sizes is not None:
+        if mode != "hybrid":
+            raise ValueError("--hierarchical-context-parallel-sizes needs --cp-comm-type a2a+p2p")
+        if sizes[0] * sizes[1] != args.context_parallel_size:
+            raise ValueError(f"--hierarchical-context-parallel-sizes {sizes[0]} x {sizes[1]} must equal "
+                             f"--context-parallel-size ({args.context_parallel_size})")
+        if args.ulysses_size is not None and args.ulysses_size != sizes[0]:
+            raise ValueError(f"--ulysses-size ({args.ulysses_size}) conflicts with --hierarchical-context-parallel-"
+                             f"sizes (a2a size {sizes[0]})")
+        args.ulysses_size = sizes[0]
+    if mode is not None and args.context_parallel_mode not in (None, mode):
+        raise ValueError(f"--cp-comm-type {args.cp_comm_type[0]} means --context-parallel-mode {mode}, which "
+                         f"conflicts with --context-parallel-mode {args.context_parallel_mode}")
+    args.context_parallel_mode = args.context_parallel_mode or mode or "hsap"
+
+
+def _map_attention_backend(args: argparse.Namespace) -> None:
+    """``--use-flash-attn`` / ``--attention-backend`` -> ``--attention-kernel`` (conflicting choices are an error)."""
+    chosen = {}
+    if args.attention_kernel is not None:
+        chosen["--attention-kernel"] = args.attention_kernel
+    if args.attention_backend is not None:
+        chosen[f"--attention-backend {args.attention_backend}"] = ATTENTION_BACKENDS[args.attention_backend]
+    if args.use_flash_attn:
+        chosen["--use-flash-attn"] = "flash"
+    kernels = set(chosen.values()) - ({"auto"} if len(set(chosen.values())) > 1 else set())
+    if len(kernels) > 1:
+        raise ValueError(f"conflicting attention kernels: {', '.join(f'{k} ({v})' for k, v in chosen.items())}")
+    args.attention_kernel = kernels.pop() if kernels else "auto"
+
+
+def _resolve_training_length(args: argparse.Namespace) -> None:
+    """Megatron-LM's iteration- or sample-based length and LR schedule -> ``train_iters`` and the scheduler's
+    ``lr_warmup_steps`` / ``lr_decay_steps`` / ``wd_incr_steps`` (in samples, as Megatron's scheduler counts)."""
+    gbs = args.global_batch_size
+    if args.lr_warmup_fraction is not None and (args.lr_warmup_iters or args.lr_warmup_samples):
+        raise ValueError("--lr-warmup-fraction and --lr-warmup-iters/--lr-warmup-samples are mutually exclusive")
+    if args.train_samples is not None:
+        if args.train_iters is not None:
+            raise ValueError("--train-iters and --train-samples are mutually exclusive")
+        for flag, value in (("--lr-warmup-iters", args.lr_warmup_iters), ("--lr-decay-iters", args.lr_decay_iters)):
+            if value:
+                raise ValueError(f"{flag} is iteration-based; with --train-samples use the -samples flag")
+        args.train_iters = args.train_samples // gbs
+        if args.train_iters < 1:
+            raise ValueError(f"--train-samples ({args.train_samples}) is less than one global batch ({gbs})")
+        args.lr_decay_steps = args.lr_decay_samples or args.train_samples
+        warmup = args.lr_warmup_samples or 0
+        args.wd_incr_steps = args.train_samples
+    else:
+        for flag, value in (("--lr-warmup-samples", args.lr_warmup_samples),
+                            ("--lr-decay-samples", args.lr_decay_samples)):
+            if value:
+                raise ValueError(f"{flag} is sample-based; it needs --train-samples (or use the -iters flag)")
+        if args.train_iters is None:
+            args.train_iters = DEFAULT_TRAIN_ITERS
+        args.lr_decay_steps = (args.lr_decay_iters or args.train_iters) * gbs
+        if args.lr_warmup_iters is None:
+            args.lr_warmup_iters = 0 if args.lr_warmup_fraction is not None else DEFAULT_LR_WARMUP_ITERS
+        if args.lr_warmup_iters >= args.train_iters:
+            raise ValueError(f"--lr-warmup-iters ({args.lr_warmup_iters}) must be smaller than --train-iters "
+                             f"({args.train_iters})")
+        warmup = args.lr_warmup_iters * gbs
+        args.wd_incr_steps = args.train_iters * gbs
+    args.lr_warmup_steps = (int(args.lr_warmup_fraction * args.lr_decay_steps) if args.lr_warmup_fraction is not None
+                            else warmup)
+
+
+def _check_per_token_loss(args: argparse.Namespace) -> None:
+    """``--calculate-per-token-loss`` is accepted where it equals this loop's loss (see the error below)."""
+    if not args.calculate_per_token_loss:
+        return
+    eod_masked = args.eod_mask_loss or (args.data_path is None and not args.mock_data)  # the embedded corpus masks EOD
+    if eod_masked and args.num_microbatches * args.data_parallel_size > 1:
+        raise ValueError("--calculate-per-token-loss is not supported with EOD loss masking (--eod-mask-loss, or "
+                         "the embedded corpus): the loss here averages each micro-batch's per-token mean, which "
+                         "equals Megatron-LM's per-token loss only when all micro-batches have the same number of "
+                         "loss tokens; drop one of the two, or use one micro-batch per global batch")
+    validate_evaluation_logging_args(args)
 
 
 def data_path_prefixes(data_path: List[str]) -> List[str]:
@@ -335,3 +588,30 @@ def resolve_sequence_chunks(args: argparse.Namespace) -> None:
         args.mlp_sequence_chunks = max(1, -(-tokens // args.hidden_size)) if hsap else 1
     if args.loss_sequence_chunks is None:
         args.loss_sequence_chunks = max(1, -(-tokens // LOSS_CHUNK_TOKENS)) if hsap else 1
+
+
+# ---- evaluation and logging (Megatron-LM's flags; behaviour in training/loop.py and iteration_log.py) ----
+def add_evaluation_logging_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("evaluation and logging (Megatron-LM's flags)")
+    g.add_argument("--eval-interval", type=_positive_int, default=1000,
+                   help="evaluate on the validation split every this many iterations (and once after training)")
+    g.add_argument("--eval-iters", type=_non_negative_int, default=100,
+                   help="global batches per evaluation; 0 turns evaluation off")
+    g.add_argument("--valid-data-path", nargs="*", default=None,
+                   help="validation dataset prefix(es), [w1] p1 [w2] p2 ...; with it --split is unused")
+    g.add_argument("--test-data-path", nargs="*", default=None,
+                   help="test dataset prefix(es), [w1] p1 [w2] p2 ...; with it --split is unused")
+    g.add_argument("--log-throughput", action="store_true",
+                   help="print model TFLOP/s per GPU (Megatron-LM's formula) on each iteration line")
+    g.add_argument("--wandb-project", default=None, help="log the scalars to this W&B project (needs wandb)")
+    g.add_argument("--wandb-exp-name", default=None)
+    g.add_argument("--wandb-save-dir", default=None)
+
+
+def validate_evaluation_logging_args(args: argparse.Namespace) -> None:
+    """Per-split paths need --data-path (the train split); the writers' packages are installed."""
+    for flag, path in (("--valid-data-path", args.valid_data_path), ("--test-data-path", args.test_data_path)):
+        if path and args.data_path is None:
+            raise ValueError(f"{flag} needs --data-path (the training data)")
+    if args.wandb_project is not None and importlib.util.find_spec("wandb") is None:
+        raise ValueError("--wandb-project needs the wandb package (pip install wandb)")

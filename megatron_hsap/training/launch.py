@@ -31,6 +31,7 @@ import time
 from typing import Callable, List, Optional
 
 from megatron_hsap.training import progress
+from megatron_hsap.training.quiet import quiet_rank
 
 __all__ = ["launched_by_torchrun", "spawn_local_ranks", "FORWARDED_SIGNALS"]
 
@@ -64,6 +65,7 @@ def _die_with_parent(parent: int) -> None:
 def _rank_main(rank: int, nproc: int, port: int, main: Callable[[argparse.Namespace], int],
                args: argparse.Namespace, shared_progress: object, parent: int) -> None:
     os.setpgid(0, 0)  # own process group: the launcher can kill the rank with everything it started
+    quiet_rank(rank)
     _die_with_parent(parent)
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(nproc), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(nproc),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),

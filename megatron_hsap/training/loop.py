@@ -6,6 +6,15 @@ on every rank without communication). Megatron's schedule multiplies by the CP
 size and DDP averages gradients over the data-and-context-parallel group, so the
 gradient equals the CP=1 gradient; the logged loss sums the CP parts.
 
+Devices: ``torch.cuda.set_device(LOCAL_RANK)`` comes before any CUDA work; micro-batches are
+packed and planned on the host and moved to the model's device (``PackedMicroBatch.to``); every
+reduction (loss, CP byte counters) runs on tensors on that device, as NCCL requires.
+
+Evaluation (Megatron-LM's): every ``--eval-interval`` iterations, after training, and once on the
+test split, ``--eval-iters`` global batches through Megatron-Core's schedule with
+``forward_only=True``; the loss is the same micro-batch mean as in training, so it does not depend
+on the CP size or mode.
+
 Failures (docs/training.md, "Failures and preemption"): the phase and iteration
 are recorded in ``progress`` for error messages; NaN/Inf stop the run before the
 optimizer step (``nonfinite``); exit signals and time limits save and stop all
@@ -19,7 +28,7 @@ import datetime
 import os
 import time
 from functools import partial
-from typing import Any, Dict, Iterator, List, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -29,36 +38,38 @@ from megatron_hsap.training.arguments import cp_config_from_args
 from megatron_hsap.training.iteration_log import IterationLogger, IterationRecord, peak_memory_bytes
 from megatron_hsap.training.packing import PackedMicroBatch, pack_micro_batch
 
-__all__ = ["pretrain"]
+__all__ = ["pretrain", "forward_packed"]
 
 
 def _init_distributed(args: argparse.Namespace) -> None:
     backend = args.distributed_backend
     if backend == "auto":
         backend = "nccl" if torch.cuda.is_available() else "gloo"
-    if backend == "nccl":
+    if torch.cuda.is_available():  # before any CUDA work: Megatron allocates on the current device
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    else:
+    if backend != "nccl":
         torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", 1))))
     dist.init_process_group(backend=backend, timeout=datetime.timedelta(minutes=args.distributed_timeout_minutes))
     progress.set_phase("start-up")
 
 
 def _check_heads(args: argparse.Namespace, topology: Any) -> None:
-    """Head counts against TP x Ulysses and the head-chunk size, identically on every rank."""
+    """Head counts per TP rank against the Ulysses size and the head-chunk size, identically on every rank
+    (any counts split over the Ulysses group, see ``megatron_hsap.head_split``; the chunk size must fit them)."""
     cp_config = cp_config_from_args(args)
     heads_per_tp = args.num_attention_heads // args.tensor_model_parallel_size
-    if heads_per_tp % topology.ulysses_size != 0:
-        raise ValueError(f"--num-attention-heads ({args.num_attention_heads}) must be divisible by "
-                         f"--tensor-model-parallel-size x Ulysses size ({args.tensor_model_parallel_size} x "
-                         f"{topology.ulysses_size})")
-    cp_config.resolve_head_chunk_size(heads_per_tp, topology.ulysses_size)
+    try:
+        cp_config.resolve_head_chunk_size(heads_per_tp, topology.ulysses_size)
+    except ValueError as err:
+        raise ValueError(f"--head-chunk-size with --num-attention-heads ({args.num_attention_heads}) / "
+                         f"--tensor-model-parallel-size ({args.tensor_model_parallel_size}) and Ulysses size "
+                         f"{topology.ulysses_size}: {err}") from None
 
 
 def _packed_iterator(batches: Iterator[Dict[str, torch.Tensor]], eod: int, split_at_eod: bool, topology: Any,
-                     layout: str) -> Iterator[PackedMicroBatch]:
+                     layout: str, device: torch.device) -> Iterator[PackedMicroBatch]:
     for batch in batches:
-        yield pack_micro_batch(batch, eod, split_at_eod, topology, layout)
+        yield pack_micro_batch(batch, eod, split_at_eod, topology, layout).to(device)
 
 
 def _loss_func(mb: PackedMicroBatch, cp_group: Any, nan_check: Any, output_tensor: torch.Tensor
@@ -74,12 +85,24 @@ def _loss_func(mb: PackedMicroBatch, cp_group: Any, nan_check: Any, output_tenso
     return local_sum / denominator, {"lm loss": reported / denominator}
 
 
+def forward_packed(mb: PackedMicroBatch, model: Any, cp_group: Any, nan_check: Any = None
+                   ) -> Tuple[torch.Tensor, Any]:
+    """Megatron's forward-step contract for one packed micro-batch already on the model's device:
+    (per-token losses ``[1, t_local]``, loss function). Shared by this loop and ``megatron_hsap.megatron_lm``."""
+    output = model(mb.tokens, mb.position_ids, None, labels=mb.labels, packed_seq_params=mb.packed_seq_params)
+    return output, partial(_loss_func, mb, cp_group, nan_check)
+
+
 def _forward_step(cp_group: Any, nan_check: Any, all_chunks: List[Any], data_iterator: Iterator[PackedMicroBatch],
                   model: Any) -> Tuple[torch.Tensor, Any]:
     mb = next(data_iterator)
     fault_injection.inject("forward", progress.current_iteration(), model=all_chunks, loss_mask=mb.loss_mask)
-    output = model(mb.tokens, mb.position_ids, None, labels=mb.labels, packed_seq_params=mb.packed_seq_params)
-    return output, partial(_loss_func, mb, cp_group, nan_check)
+    return forward_packed(mb, model, cp_group, nan_check)
+
+
+def _eval_forward_step(cp_group: Any, data_iterator: Iterator[PackedMicroBatch], model: Any
+                       ) -> Tuple[torch.Tensor, Any]:
+    return forward_packed(next(data_iterator), model, cp_group)
 
 
 def _check_then_finalize(nan_check: Any, finalize: Any, *args: Any, **kwargs: Any) -> Any:
@@ -88,15 +111,16 @@ def _check_then_finalize(nan_check: Any, finalize: Any, *args: Any, **kwargs: An
     return finalize(*args, **kwargs)
 
 
-def _reduce_loss(losses: List[Dict[str, torch.Tensor]]) -> float:
-    """Mean micro-batch loss over the global batch, available on every rank (one world all-reduce)."""
+def _reduce_loss(losses: List[Dict[str, torch.Tensor]], device: torch.device) -> float:
+    """Mean micro-batch loss over the global batch(es), available on every rank (one world all-reduce on
+    ``device``, the model's: NCCL reduces only CUDA tensors)."""
     from megatron.core import parallel_state as mpu
 
     contributes = (mpu.is_pipeline_last_stage(ignore_virtual=True) and mpu.get_tensor_model_parallel_rank() == 0
                    and mpu.get_context_parallel_rank() == 0)
-    buf = torch.zeros(2, dtype=torch.float64)
+    buf = torch.zeros(2, dtype=torch.float64, device=device)
     if contributes and losses:
-        buf[0] = sum(float(x["lm loss"]) for x in losses)
+        buf[0] = torch.stack([x["lm loss"].to(device=device, dtype=torch.float64) for x in losses]).sum()
         buf[1] = len(losses)
     dist.all_reduce(buf)
     return float(buf[0] / buf[1])
@@ -152,6 +176,39 @@ def pretrain(args: argparse.Namespace) -> List[IterationRecord]:
     return records
 
 
+class _Evaluator:
+    """Megatron-LM's evaluation: ``--eval-iters`` global batches of a split, forward only, without gradients.
+
+    The k-th validation reads the split's global batches ``(k-1)*eval_iters ... k*eval_iters - 1`` (it
+    continues where the previous one stopped, as Megatron-LM's validation iterator), so a resumed run
+    evaluates exactly the samples the uninterrupted run would have.
+    """
+
+    def __init__(self, args: argparse.Namespace, model: List[Any], forward_backward: Any, cp_group: Any,
+                 make_iterator: Any, device: torch.device) -> None:
+        self.args, self.model, self.forward_backward, self.device = args, model, forward_backward, device
+        self.step = partial(_eval_forward_step, cp_group)
+        self.make_iterator = make_iterator  # (dataset, first global batch, stop, label) -> packed micro-batches
+
+    def loss(self, dataset: Any, index: int, label: str) -> float:
+        """Mean lm loss over evaluation number ``index`` (0-based) of ``dataset``."""
+        args = self.args
+        first = index * args.eval_iters
+        iterators = [self.make_iterator(dataset, first, first + args.eval_iters, label) for _ in self.model]
+        for chunk in self.model:
+            chunk.eval()
+        losses: List[Dict[str, torch.Tensor]] = []
+        with torch.no_grad():
+            for _ in range(args.eval_iters):
+                losses += self.forward_backward(
+                    forward_step_func=self.step, data_iterator=iterators if len(self.model) > 1 else iterators[0],
+                    model=self.model, num_microbatches=args.num_microbatches,
+                    seq_length=args.micro_batch_size * args.seq_length, micro_batch_size=1, forward_only=True)
+        for chunk in self.model:
+            chunk.train()
+        return _reduce_loss(losses, self.device)
+
+
 def _train(args: argparse.Namespace, signals: Any, started: float) -> List[IterationRecord]:
     from megatron.core.distributed import finalize_model_grads
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
@@ -160,31 +217,35 @@ def _train(args: argparse.Namespace, signals: Any, started: float) -> List[Itera
 
     from megatron_hsap.instrumentation import comm_stats
     from megatron_hsap.training.checkpoint import load_checkpoint, save_checkpoint
-    from megatron_hsap.training.data import build_train_dataset, micro_batches
-    from megatron_hsap.training.model import build_model, transformer_config
+    from megatron_hsap.training.data import build_datasets, micro_batches
+    from megatron_hsap.training.iteration_log import make_writers, num_floating_point_operations
+    from megatron_hsap.training.model import build_model, padded_vocab_size, transformer_config
     from megatron_hsap.training.nonfinite import NonFiniteCheck
     from megatron_hsap.training.preemption import exit_reason
     from megatron_hsap.training.tokenizer import build_tokenizer
 
     topology, mpu = _setup(args)
-    log = IterationLogger(args.train_iters, dist.get_rank(), args.log_json, args.tensorboard_dir,
-                          progress_bar=not args.no_progress_bar)
+    writers = make_writers(args.tensorboard_dir, args.wandb_project, args.wandb_exp_name, args.wandb_save_dir,
+                           vars(args)) if dist.get_rank() == 0 else []
+    log = IterationLogger(args.train_iters, dist.get_rank(), args.log_json, writers,
+                          progress_bar=not args.no_progress_bar, log_interval=args.log_interval)
     cp_config = cp_config_from_args(args)
-    tokenizer = build_tokenizer(args.tokenizer_type, args.tokenizer_model, args.vocab_size)
-    dataset = build_train_dataset(args, tokenizer)
+    tokenizer = build_tokenizer(args.tokenizer_type, args.tokenizer_model, args.vocab_size, args.vocab_file,
+                                args.merge_file, args.tiktoken_pattern)
+    dataset, valid_dataset, test_dataset = build_datasets(args, tokenizer)
     config = transformer_config(args)
     model = build_model(args, config, cp_config, tokenizer.vocab_size)
     optimizer = get_megatron_optimizer(
         OptimizerConfig(optimizer="adam", lr=args.lr, min_lr=args.min_lr, weight_decay=args.weight_decay,
                         adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2, clip_grad=args.clip_grad,
                         bf16=args.bf16, params_dtype=config.params_dtype,
+                        decoupled_lr=args.decoupled_lr, decoupled_min_lr=args.decoupled_min_lr,
                         use_distributed_optimizer=args.use_distributed_optimizer), model)
     scheduler = OptimizerParamScheduler(
         optimizer, init_lr=0.0, max_lr=args.lr, min_lr=args.min_lr,
-        lr_warmup_steps=args.lr_warmup_iters * args.global_batch_size,
-        lr_decay_steps=args.train_iters * args.global_batch_size, lr_decay_style=args.lr_decay_style,
-        start_wd=args.weight_decay, end_wd=args.weight_decay,
-        wd_incr_steps=args.train_iters * args.global_batch_size, wd_incr_style="constant")
+        lr_warmup_steps=args.lr_warmup_steps, lr_decay_steps=args.lr_decay_steps, lr_decay_style=args.lr_decay_style,
+        start_wd=args.weight_decay, end_wd=args.weight_decay, wd_incr_steps=args.wd_incr_steps,
+        wd_incr_style="constant")
     start = 0
     if args.load is not None:
         progress.set_phase("loading checkpoint")
@@ -205,17 +266,26 @@ def _train(args: argparse.Namespace, signals: Any, started: float) -> List[Itera
              f"nodes {topology.num_nodes}; {sum(p.numel() for m in model for p in m.parameters())} parameters "
              f"on rank 0")
 
+    device = next(model[0].parameters()).device
+    dp_rank = mpu.get_data_parallel_rank()
+
+    def packed(data: Any, first: int, stop: Optional[int], label: str = "") -> Iterator[PackedMicroBatch]:
+        return _packed_iterator(micro_batches(data, args, dp_rank, first, tokenizer.vocab_size, stop, label),
+                                tokenizer.eod, args.reset_attention_mask, topology, layout, device)
+
     # One iterator per model chunk: the interleaved schedule reads each micro-batch once per chunk.
-    iterators = [_packed_iterator(micro_batches(dataset, args, mpu.get_data_parallel_rank(), start,
-                                                tokenizer.vocab_size), tokenizer.eod,
-                                  args.reset_attention_mask, topology, layout) for _ in model]
+    iterators = [packed(dataset, start, None) for _ in model]
     data_iterator = iterators if len(model) > 1 else iterators[0]
     forward_backward = get_forward_backward_func()
+    evaluator = _Evaluator(args, model, forward_backward, mpu.get_context_parallel_group(), packed, device)
     step = partial(_forward_step, mpu.get_context_parallel_group(), nan_check, model)
-    device = nan_check.device if nan_check is not None else next(model[0].parameters()).device
     check_exit = signals is not None or args.exit_duration_in_mins is not None
     tokens_per_iter = args.global_batch_size * args.seq_length
+    flops = (num_floating_point_operations(args, args.global_batch_size,
+                                           padded_vocab_size(tokenizer.vocab_size, args))
+             if args.log_throughput else None)
     records: List[IterationRecord] = []
+    iteration = start
     for iteration in range(start + 1, args.train_iters + 1):
         for chunk in model:
             chunk.zero_grad_buffer()
@@ -230,22 +300,30 @@ def _train(args: argparse.Namespace, signals: Any, started: float) -> List[Itera
         if nan_check is not None:
             nan_check.raise_if_found(iteration)
         update_ok, grad_norm, _ = optimizer.step()
-        if not update_ok:
+        if update_ok:
+            scheduler.step(increment=args.global_batch_size)
+        elif nan_check is not None:  # only fp16 loss scaling skips an update, and only on non-finite gradients
             raise RuntimeError(f"iteration {iteration}: optimizer step skipped (non-finite gradients)")
-        scheduler.step(increment=args.global_batch_size)
-        loss = _reduce_loss(losses)
+        loss = _reduce_loss(losses, device)
         elapsed = time.perf_counter() - t0
         sent = comm_stats().minus(before)
-        cp_bytes = torch.tensor([sent.send_bytes_intra, sent.send_bytes_inter], dtype=torch.int64)
+        cp_bytes = torch.tensor([sent.send_bytes_intra, sent.send_bytes_inter], dtype=torch.int64, device=device)
         dist.all_reduce(cp_bytes, op=dist.ReduceOp.MAX)
         record = IterationRecord(iteration=iteration, loss=loss, lr=scheduler.get_lr(optimizer.param_groups[0]),
-                                 grad_norm=float(grad_norm), tokens_per_s=tokens_per_iter / elapsed,
+                                 grad_norm=float("nan") if grad_norm is None else float(grad_norm),
+                                 tokens_per_s=tokens_per_iter / elapsed,
                                  elapsed_ms=1000 * elapsed, peak_memory_bytes=peak_memory_bytes(),
                                  cp_bytes_intra=int(cp_bytes[0]), cp_bytes_inter=int(cp_bytes[1]),
-                                 cp_bytes_by_op=_bytes_by_op(sent.sent))
+                                 cp_bytes_by_op=_bytes_by_op(sent.sent),
+                                 consumed_samples=iteration * args.global_batch_size,
+                                 global_batch_size=args.global_batch_size,
+                                 loss_scale=float(optimizer.get_loss_scale()), skipped=not update_ok,
+                                 tflops_per_gpu=None if flops is None else flops / (elapsed * 1e12 * args.world_size))
         records.append(record)
-        if iteration % args.log_interval == 0 or iteration == args.train_iters:
-            log.log(record)
+        log.record(record)
+        if valid_dataset is not None and iteration % args.eval_interval == 0:
+            _log_evaluation(evaluator, log, valid_dataset, "validation", iteration // args.eval_interval - 1,
+                            f"iteration {iteration}", iteration, args)
         reason = exit_reason(signals, started, args.exit_duration_in_mins, device) if check_exit else ""
         if args.exit_interval and iteration % args.exit_interval == 0:
             reason = reason or f"--exit-interval {args.exit_interval}"
@@ -256,10 +334,23 @@ def _train(args: argparse.Namespace, signals: Any, started: float) -> List[Itera
             log.info(f"saved checkpoint at iteration {iteration} to {args.save}")
         if reason:
             log.info(f"exiting after iteration {iteration}: {reason}")
-        if stop:
             break
+    else:  # training completed (no early exit): Megatron-LM's final validation and test evaluations
+        if valid_dataset is not None:
+            _log_evaluation(evaluator, log, valid_dataset, "validation", args.train_iters // args.eval_interval,
+                            f"iteration {iteration} on validation set", iteration, args)
+        if test_dataset is not None:
+            _log_evaluation(evaluator, log, test_dataset, "test", 0, f"iteration {iteration} on test set",
+                            iteration, args)
     if records:
         log.info(f"done: lm loss {records[0].loss:.4f} (iteration {records[0].iteration}) -> "
                  f"{records[-1].loss:.4f} (iteration {records[-1].iteration})")
     log.close()
     return records
+
+
+def _log_evaluation(evaluator: _Evaluator, log: IterationLogger, dataset: Any, split: str, index: int, prefix: str,
+                    iteration: int, args: argparse.Namespace) -> None:
+    progress.set_phase("evaluation", iteration)
+    loss = evaluator.loss(dataset, index, f"{split} ")
+    log.evaluation(split, prefix, loss, iteration, iteration * args.global_batch_size)

@@ -3,18 +3,20 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import math
 import zlib
-from typing import Any, List
+from typing import Any, Dict, List, Optional
 
 import torch
 import torch.nn.functional as F
 
 from megatron_hsap.config import ContextParallelConfig
 from megatron_hsap.megatron.cpu_shim import cpu_config_overrides
-from megatron_hsap.megatron.spec import get_gpt_decoder_block_hsap_spec
+from megatron_hsap.megatron.spec import get_gpt_decoder_block_hsap_spec, use_transformer_engine
 
-__all__ = ["transformer_config", "padded_vocab_size", "build_model", "layout_independent_init"]
+__all__ = ["transformer_config", "fusion_settings", "padded_vocab_size", "build_model", "build_gpt_chunk",
+           "layout_independent_init"]
 
 
 def padded_vocab_size(vocab_size: int, args: argparse.Namespace) -> int:
@@ -45,8 +47,32 @@ def transformer_config(args: argparse.Namespace) -> Any:
         recompute_granularity=args.recompute_granularity,
         recompute_method=args.recompute_method if args.recompute_granularity == "full" else None,
         recompute_num_layers=args.recompute_num_layers if args.recompute_granularity == "full" else None,
-        bias_activation_fusion=False, masked_softmax_fusion=False, gradient_accumulation_fusion=False,
-        apply_rope_fusion=False, persist_layer_norm=False, bias_dropout_fusion=False, **cpu_config_overrides())
+        **fusion_settings(torch.cuda.is_available(), gelu_without_bias=not args.swiglu and args.disable_bias_linear),
+        cuda_graph_scope=[],  # Megatron-LM's CLI default (the dataclass default "full" warns as deprecated)
+        **cpu_config_overrides())
+
+
+def fusion_settings(cuda: bool, gelu_without_bias: bool = False) -> Dict[str, bool]:
+    """Megatron's kernel fusions: on a GPU those the HSAP path allows (Megatron-LM's defaults), off on CPU.
+
+    - bias+activation (GeLU/SwiGLU), bias+dropout+add, persistent LayerNorm: untouched by HSAP, on
+      (bias+GeLU only with a bias: Megatron's config rejects the fusion for GeLU without one).
+    - gradient-accumulation fusion: on where its CUDA kernel (Apex's ``fused_weight_gradient_mlp_cuda``,
+      which Megatron's linear layers import) is installed; the head-chunked QKV path and the chunked
+      loss add their weight gradients to ``main_grad`` through DDP's hook either way.
+    - masked-softmax fusion: on (Megatron's default); HSAP's attention core does not use it.
+    - RoPE fusion: off. HSAP rotates each token at its in-document position with a per-token table,
+      a layout the fused kernel is not validated for.
+    Note the fused bias-GeLU uses GeLU's tanh approximation (as Megatron-LM on GPU).
+    """
+    return {"bias_activation_fusion": cuda and not gelu_without_bias, "bias_dropout_fusion": cuda,
+            "persist_layer_norm": cuda, "masked_softmax_fusion": cuda,
+            "gradient_accumulation_fusion": cuda and _fused_wgrad_available(),
+            "apply_rope_fusion": False}
+
+
+def _fused_wgrad_available() -> bool:
+    return importlib.util.find_spec("fused_weight_gradient_mlp_cuda") is not None
 
 
 def build_model(args: argparse.Namespace, config: Any, cp_config: ContextParallelConfig, vocab_size: int) -> List[Any]:
@@ -54,29 +80,39 @@ def build_model(args: argparse.Namespace, config: Any, cp_config: ContextParalle
     from megatron.core import parallel_state as mpu
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
-    from megatron_hsap.megatron.sequence_chunks import HSAPGPTModel
-
     num_chunks = config.virtual_pipeline_model_parallel_size or 1
     chunks = []
     for vp_stage in range(num_chunks):
         stage = vp_stage if num_chunks > 1 else None
-        block = get_gpt_decoder_block_hsap_spec(config, cp_config, vp_stage=stage,
-                                                mlp_sequence_chunks=getattr(args, "mlp_sequence_chunks", 1))
-        model = HSAPGPTModel(
-            loss_sequence_chunks=getattr(args, "loss_sequence_chunks", 1),
-            config=config, transformer_layer_spec=block, vocab_size=padded_vocab_size(vocab_size, args),
-            max_sequence_length=args.max_position_embeddings,
-            pre_process=mpu.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage),
-            post_process=mpu.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage),
-            share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
-            position_embedding_type=args.position_embedding_type, rotary_base=args.rotary_base, vp_stage=stage)
+        model = build_gpt_chunk(args, config, cp_config, padded_vocab_size(vocab_size, args),
+                                pre_process=mpu.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage),
+                                post_process=mpu.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage),
+                                vp_stage=stage)
         if args.layout_independent_init:
             layout_independent_init(model, args.seed, args.init_method_std, args.num_layers)
         chunks.append(model)
-    ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+    ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=not getattr(args, "grad_reduce_in_bf16", False),
+                                               overlap_grad_reduce=False,
                                                use_distributed_optimizer=args.use_distributed_optimizer)
     return [DistributedDataParallel(config=config, ddp_config=ddp_config, module=m, disable_bucketing=i > 0)
             for i, m in enumerate(chunks)]
+
+
+def build_gpt_chunk(args: argparse.Namespace, config: Any, cp_config: ContextParallelConfig, padded_vocab: int,
+                    pre_process: bool, post_process: bool, vp_stage: Optional[int]) -> Any:
+    """One unwrapped GPTModel chunk with the HSAP layer spec (also Megatron-LM's model provider's, see
+    ``megatron_hsap.megatron_lm``). ``args`` needs Megatron-LM's model flags plus ``--mlp/loss-sequence-chunks``."""
+    from megatron_hsap.megatron.sequence_chunks import HSAPGPTModel
+
+    use_te = use_transformer_engine(getattr(args, "transformer_impl", "local"))
+    block = get_gpt_decoder_block_hsap_spec(config, cp_config, vp_stage=vp_stage, use_transformer_engine=use_te,
+                                            mlp_sequence_chunks=args.mlp_sequence_chunks)
+    return HSAPGPTModel(
+        loss_sequence_chunks=args.loss_sequence_chunks,
+        config=config, transformer_layer_spec=block, vocab_size=padded_vocab,
+        max_sequence_length=args.max_position_embeddings, pre_process=pre_process, post_process=post_process,
+        share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+        position_embedding_type=args.position_embedding_type, rotary_base=args.rotary_base, vp_stage=vp_stage)
 
 
 def layout_independent_init(model: torch.nn.Module, seed: int, std: float, num_layers: int) -> None:

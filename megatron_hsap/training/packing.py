@@ -9,7 +9,7 @@ build the same plan without communicating.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Dict
 
 import torch
@@ -35,6 +35,30 @@ class PackedMicroBatch:
     position_ids: torch.Tensor
     packed_seq_params: HSAPPackedSeqParams
     num_loss_tokens: int
+
+    def to(self, device: torch.device) -> "PackedMicroBatch":
+        """This micro-batch with its tensors (and ``cu_seqlens``) on ``device``; ``self`` when already there.
+
+        Packing and planning run on the host; on CUDA the copies go through pinned memory
+        with ``non_blocking=True`` so they overlap with work already queued. The plan itself
+        stays host-side: attention moves its small index tables to the device on use (cached).
+        """
+        device = torch.device(device)
+        if self.tokens.device == device:
+            return self
+
+        def move(t: torch.Tensor) -> torch.Tensor:
+            if device.type == "cuda" and t.device.type == "cpu":
+                return t.pin_memory().to(device, non_blocking=True)
+            return t.to(device)
+
+        old = self.packed_seq_params
+        cu_q = move(old.cu_seqlens_q)
+        params = replace(old, cu_seqlens_q=cu_q,
+                         cu_seqlens_kv=cu_q if old.cu_seqlens_kv is old.cu_seqlens_q else move(old.cu_seqlens_kv))
+        return PackedMicroBatch(tokens=move(self.tokens), labels=move(self.labels), loss_mask=move(self.loss_mask),
+                                position_ids=move(self.position_ids), packed_seq_params=params,
+                                num_loss_tokens=self.num_loss_tokens)
 
 
 def document_cu_seqlens(tokens: torch.Tensor, eod: int, split_at_eod: bool) -> torch.Tensor:

@@ -16,7 +16,8 @@ __all__ = ["PHASES", "FIELDS", "set_phase", "current_iteration", "mark_failed", 
            "describe_shared", "failed_at"]
 
 #: Phase names, indexed by the code stored in the shared array.
-PHASES = ("start-up", "loading checkpoint", "forward-backward", "optimizer step", "saving checkpoint", "finished")
+PHASES = ("start-up", "loading checkpoint", "forward-backward", "optimizer step", "saving checkpoint", "finished",
+          "evaluation")
 
 _state = {"iteration": 0, "phase": 0}
 #: Values per rank in the launcher's shared array: iteration, phase code, time.monotonic() of the failure (0: none).
@@ -53,7 +54,7 @@ def current_iteration() -> int:
 def _text(iteration: int, phase: int) -> str:
     name = PHASES[phase]
     return f"iteration {iteration} ({name})" if name in ("forward-backward", "optimizer step",
-                                                         "saving checkpoint") else name
+                                                         "saving checkpoint", "evaluation") else name
 
 
 def describe() -> str:

@@ -1,0 +1,184 @@
+"""HSAP context parallelism inside Megatron-LM's own ``pretrain()`` (for people with a Megatron-LM checkout).
+
+    PYTHONPATH=/path/to/Megatron-LM torchrun --nproc-per-node 8 -m megatron_hsap.megatron_lm \
+        <Megatron-LM's pretrain_gpt.py flags> --context-parallel-size 8 --context-parallel-mode hsap
+
+runs ``megatron.training.pretrain(train_valid_test_datasets_provider, model_provider,
+ModelType.encoder_or_decoder, forward_step, extra_args_provider=add_hsap_args)`` (docs/training.md,
+"Megatron-LM entry point"). The pieces, usable one by one from your own script:
+
+- ``add_hsap_args(parser)``: the HSAP flags (``--context-parallel-mode``, ``--ulysses-size``,
+  ``--head-chunk-size``, ``--cp-layout``, ``--attention-kernel``, ``--ranks-per-node``,
+  ``--mlp-sequence-chunks``, ``--loss-sequence-chunks``), none of which Megatron-LM defines;
+  the definitions are this package's own (``training.arguments``), copied onto the parser.
+- ``model_provider``: a GPTModel with the HSAP layer spec; attaches the HSAP topology (Ulysses and ring
+  sub-groups) to the groups Megatron-LM initialised.
+- ``train_valid_test_datasets_provider``: Megatron-Core GPT datasets built on every rank, since every
+  pipeline stage needs the micro-batch's plan (Megatron-LM's own provider builds them only on the first
+  and last stage and slices sequences per CP rank, which a packed plan does itself).
+- ``get_batch`` / ``forward_step``: the unsliced packed micro-batch -> plan (from its document
+  boundaries) -> this CP rank's tokens, on the model's device; the loss is the training loop's.
+
+Only ``main()`` needs Megatron-LM (``megatron.training``); everything else runs on Megatron-Core alone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from typing import Any, Iterator, List, Optional, Sequence, Tuple
+
+import torch
+
+from megatron_hsap.training.arguments import build_parser, cp_config_from_args, resolve_sequence_chunks
+from megatron_hsap.training.loop import forward_packed
+from megatron_hsap.training.packing import PackedMicroBatch, pack_micro_batch
+
+__all__ = ["HSAP_FLAGS", "add_hsap_args", "model_provider", "train_valid_test_datasets_provider", "get_batch",
+           "forward_step", "main"]
+
+#: Flags ``add_hsap_args`` adds (Megatron-LM has none of them; its ``--context-parallel-size`` sets the CP size).
+HSAP_FLAGS = ("--context-parallel-mode", "--ulysses-size", "--head-chunk-size", "--cp-layout", "--attention-kernel",
+              "--ranks-per-node", "--mlp-sequence-chunks", "--loss-sequence-chunks")
+
+
+def add_hsap_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Megatron-LM ``extra_args_provider``: add the HSAP flags (same names, defaults and checks as
+    ``pretrain_gpt_hsap.py``'s) in their own group; returns ``parser``."""
+    ours = {opt: action for action in build_parser()._actions for opt in action.option_strings}
+    group = parser.add_argument_group("HSAP context parallelism (megatron-hsap)")
+    for flag in HSAP_FLAGS:
+        action = ours[flag]
+        group.add_argument(flag, dest=action.dest, type=action.type, choices=action.choices, default=action.default,
+                           help=action.help)
+    return parser
+
+
+def _megatron_lm_args() -> argparse.Namespace:
+    from megatron.training import get_args
+
+    return get_args()
+
+
+def _check_args(args: argparse.Namespace) -> None:
+    """Settings of Megatron-LM this path does not implement (ValueError naming the flag, before any collective)."""
+    if args.calculate_per_token_loss:
+        raise ValueError("--calculate-per-token-loss is not supported with HSAP: the loss is the micro-batch mean "
+                         "over the whole (unsliced) packed micro-batch, summed across CP ranks")
+
+
+def model_provider(pre_process: bool = True, post_process: bool = True, vp_stage: Optional[int] = None,
+                   config: Any = None, pg_collection: Any = None, args: Optional[argparse.Namespace] = None) -> Any:
+    """Megatron-LM model provider: a GPTModel (one pipeline chunk) whose self-attention is HSAP's.
+
+    ``args``: Megatron-LM's (default ``megatron.training.get_args()``) with ``add_hsap_args``' flags;
+    ``config``: its TransformerConfig (default Megatron-LM's ``core_transformer_config_from_args``).
+    The model's config keeps ``context_parallel_size=1`` (HSAP does CP inside attention; Megatron's own CP
+    paths, e.g. rotary slicing, must stay off) and RoPE fusion off (see ``training.model.fusion_settings``).
+    ``pg_collection`` is accepted for Megatron-LM's signature; the model uses Megatron-Core's global groups.
+    """
+    from megatron_hsap.parallel_state import attach_cp_topology, cp_topology_is_initialized
+    from megatron_hsap.training.model import build_gpt_chunk
+
+    del pg_collection
+    args = _megatron_lm_args() if args is None else args
+    _check_args(args)
+    if config is None:
+        from megatron.training.arguments import core_transformer_config_from_args
+
+        config = core_transformer_config_from_args(args)
+    config = dataclasses.replace(config, context_parallel_size=1, apply_rope_fusion=False)
+    cp_config = cp_config_from_args(args)
+    if not cp_topology_is_initialized():
+        attach_cp_topology(cp_config, args.ranks_per_node)
+    resolve_sequence_chunks(args)
+    return build_gpt_chunk(args, config, cp_config, args.padded_vocab_size, pre_process, post_process, vp_stage)
+
+
+def train_valid_test_datasets_provider(train_val_test_num_samples: Sequence[int], vp_stage: Optional[int] = None,
+                                       args: Optional[argparse.Namespace] = None, tokenizer: Any = None
+                                       ) -> Tuple[Any, Any, Any]:
+    """Megatron-LM datasets provider: GPT datasets (``GPTDataset``, ``MockGPTDataset`` with ``--mock-data``)
+    from Megatron-LM's data flags, built on every rank (``is_distributed``)."""
+    from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+    from megatron.core.datasets.gpt_dataset import GPTDataset, MockGPTDataset
+
+    from megatron_hsap.training.data import dataset_config
+
+    del vp_stage
+    args = _megatron_lm_args() if args is None else args
+    if tokenizer is None:
+        from megatron.training import get_tokenizer
+
+        tokenizer = get_tokenizer()
+    config = dataset_config(args, tokenizer, args.data_path or args.train_data_path)
+    cls = MockGPTDataset if args.mock_data else GPTDataset
+    return tuple(BlendedMegatronDatasetBuilder(cls, list(train_val_test_num_samples), lambda: True, config).build())
+
+
+train_valid_test_datasets_provider.is_distributed = True  # Megatron-LM: call the provider on every rank
+
+
+def _unwrap(model: Any) -> Any:
+    while hasattr(model, "module"):
+        model = model.module
+    return model
+
+
+def get_batch(data_iterator: Optional[Iterator[Any]], model: Any, eod: Optional[int] = None,
+              split_at_eod: Optional[bool] = None) -> PackedMicroBatch:
+    """Next micro-batch for this rank, on every pipeline stage: ``tokens``/``labels``/``loss_mask`` ``[b, s]``
+    (the unsliced batch, identical on the ranks of one DP rank) -> plan from its document boundaries
+    (every sample, and every EOD with ``split_at_eod``) -> this CP rank's share, on the model's device.
+
+    ``eod`` / ``split_at_eod`` default to Megatron-LM's tokenizer EOD and ``--reset-attention-mask``.
+    """
+    from megatron_hsap.parallel_state import get_cp_topology, get_cp_config
+
+    if data_iterator is None:
+        raise ValueError("data_iterator is None on this rank: HSAP needs the micro-batch on every pipeline stage; "
+                         "use megatron_hsap.megatron_lm.train_valid_test_datasets_provider (is_distributed=True)")
+    if eod is None or split_at_eod is None:
+        from megatron.training import get_tokenizer
+
+        eod = get_tokenizer().eod if eod is None else eod
+        split_at_eod = _megatron_lm_args().reset_attention_mask if split_at_eod is None else split_at_eod
+    batch = next(data_iterator)
+    device = next(_unwrap(model).parameters()).device
+    return pack_micro_batch(batch, eod, split_at_eod, get_cp_topology(),
+                            get_cp_config().resolved_layout).to(device)
+
+
+def forward_step(data_iterator: Optional[Iterator[Any]], model: Any, return_schedule_plan: bool = False,
+                 eod: Optional[int] = None, split_at_eod: Optional[bool] = None) -> Tuple[torch.Tensor, Any]:
+    """Megatron-LM forward step: ``(per-token losses, loss_func)`` for one micro-batch, the loss being the
+    training loop's (micro-batch mean over all CP ranks' tokens; Megatron-Core's schedule scales it for CP).
+    ``eod`` / ``split_at_eod``: see ``get_batch``."""
+    from megatron.core import parallel_state as mpu
+
+    if return_schedule_plan:
+        raise ValueError("return_schedule_plan=True (Megatron-LM's combined 1F1B overlap) is not supported with "
+                         "HSAP attention")
+    mb = get_batch(data_iterator, model, eod, split_at_eod)
+    return forward_packed(mb, model, mpu.get_context_parallel_group())
+
+
+def main(argv: Optional[List[str]] = None) -> None:
+    """Megatron-LM's ``pretrain()`` with the HSAP model, datasets and forward step (needs Megatron-LM importable:
+    ``PYTHONPATH=/path/to/Megatron-LM``)."""
+    import sys
+
+    try:
+        from megatron.core.enums import ModelType
+        from megatron.training import pretrain
+    except ImportError as err:
+        raise SystemExit(f"megatron_hsap.megatron_lm needs Megatron-LM's megatron.training ({err}); put a "
+                         "Megatron-LM checkout on PYTHONPATH (it is not on the package index)") from err
+    if argv is not None:
+        sys.argv = [sys.argv[0]] + list(argv)
+    pretrain(train_valid_test_datasets_provider, model_provider, ModelType.encoder_or_decoder, forward_step,
+             args_defaults={"tokenizer_type": "GPT2BPETokenizer"}, extra_args_provider=add_hsap_args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,46 @@
+"""Console output as Megatron-LM's ``pretrain_gpt.py`` keeps it: warnings from rank 0 only, and Megatron-Core's
+notices about missing optional packages (TransformerEngine, Apex: every CPU run) summarised in one line.
+
+Kept free of heavy imports: ``quiet_rank`` must run before Megatron-Core is imported.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import warnings
+
+__all__ = ["KNOWN_FALLBACK_WARNINGS", "quiet_rank", "fallback_summary"]
+
+#: Megatron-Core's import-time notices about TransformerEngine/Apex being absent (regexes matched at the start
+#: of the message); ``fallback_summary`` says the same once.
+KNOWN_FALLBACK_WARNINGS = ("Transformer Engine and Apex are not installed", "Apex is not installed")
+#: TransformerLayer logs this for every layer whose MLP is not a type it knows; the sequence-tiled MLP
+#: (megatron/sequence_chunks.py) is an MLP subclass and takes the default TP group, which is the right one.
+_EXPECTED_LAYER_LOG = "Unknown MLP type"
+
+
+def _not_expected(record: logging.LogRecord) -> bool:
+    return not record.getMessage().startswith(_EXPECTED_LAYER_LOG)
+
+
+def quiet_rank(rank: int) -> None:
+    """Silence every warning on ranks other than 0 and the known fallback notices on all ranks.
+
+    Call it first in a rank, before Megatron-Core is imported (its notices are import-time warnings).
+    """
+    if rank != 0:
+        warnings.filterwarnings("ignore")
+    for message in KNOWN_FALLBACK_WARNINGS:
+        warnings.filterwarnings("ignore", message=message)
+    logging.getLogger("megatron.core.transformer.transformer_layer").addFilter(_not_expected)
+
+
+def fallback_summary() -> str:
+    """One line naming the optional packages Megatron-Core falls back from here ('' when all are installed)."""
+    missing = [name for name, module in (("TransformerEngine", "transformer_engine"), ("Apex", "apex"))
+               if importlib.util.find_spec(module) is None]
+    if not missing:
+        return ""
+    return (f"megatron-hsap: {' and '.join(missing)} not installed: Megatron-Core uses its PyTorch fallbacks "
+            "(optimizers, norms, multi-tensor kernels)")
