@@ -14,6 +14,7 @@ from megatron_hsap.parallel_state import CPTopology
 from megatron_hsap.sequence.doc_lengths import cu_seqlens_from_lengths, sample_doc_lengths
 from megatron_hsap.sequence.plan import _cached_plan_data, build_plan_data, plan_batch
 from megatron_hsap.sequence.prefetch import PlanPrefetcher, plan_ahead
+from megatron_hsap.training.packing import document_cu_seqlens
 
 
 @pytest.mark.parametrize("layout", ["sequence-aware", "zigzag"])
@@ -70,17 +71,27 @@ def _micro_batch(lengths) -> dict:
 
 
 def test_plan_ahead_passes_batches_through_and_leaves_their_plans_cached() -> None:
+    """The loop's form: micro-batches of tokens ``[b, s]``, documents split at EOD (id 0) as the training
+    code derives them; each plan the loop then asks for is already cached."""
     topo = CPTopology.offline(4, 2, 2)
-    # Lengths no other test plans: each plan_batch below is a hit only if plan_ahead planned it first.
-    batches = [_micro_batch([3000 + s, 17, 4000 + 7 * s, 99]) for s in range(5)]
+    generator = torch.Generator().manual_seed(7)
+    batches = []
+    for _ in range(5):  # random EOD positions: lengths no other test plans, so a hit means plan_ahead planned it
+        tokens = torch.randint(1, 100, (2, 4096), generator=generator)
+        tokens[0, torch.randint(0, 4096, (3,), generator=generator)] = 0
+        batches.append({"tokens": tokens})
+
+    def cu_of(batch: dict) -> torch.Tensor:
+        return document_cu_seqlens(batch["tokens"], 0, True)
+
     seen = []
-    for batch in plan_ahead(iter(batches), lambda b: b["cu_seqlens"], topo, "sequence-aware", depth=2):
+    for batch in plan_ahead(iter(batches), cu_of, topo, "sequence-aware", depth=2):
         seen.append(batch)
         hits = _cached_plan_data.cache_info().hits
-        plan = plan_batch(batch["cu_seqlens"], topo, "sequence-aware")
+        plan = plan_batch(cu_of(batch), topo, "sequence-aware")
         assert _cached_plan_data.cache_info().hits == hits + 1
         # What another rank computes from scratch, without any cache, is the same plan.
-        fresh = build_plan_data(batch["lengths"], topo.signature(), "sequence-aware", None)
+        fresh = build_plan_data(plan.doc_lengths, topo.signature(), "sequence-aware", None)
         assert np.array_equal(plan._data.table, fresh.table)
         assert all(np.array_equal(a, b) for a, b in zip(plan._data.tables, fresh.tables))
     assert seen == batches
