@@ -19,9 +19,10 @@ equals the attention of one query against ~26.6K keys.
 
 from __future__ import annotations
 
+import bisect
 import math
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Optional, Sequence, Tuple
 
 
 def _check_positive(name: str, value: int) -> None:
@@ -118,26 +119,103 @@ def _rows_for_area(area: float) -> int:
     return h
 
 
-def inter_node_rows_lower_bound(doc_lengths: Sequence[int], num_nodes: int, imbalance: float = 1.0) -> int:
+def inter_node_rows_lower_bound(doc_lengths: Sequence[int], num_nodes: int, imbalance: float = 1.0,
+                                node_tokens: Optional[int] = None) -> int:
     """Key/value rows that must cross nodes in any placement whose nodes each hold at most ``imbalance`` times
-    the mean causal attention area (capacity-free: token counts are ignored, so it bounds every layout).
+    the mean causal attention area and, when ``node_tokens`` is given, at most ``node_tokens`` tokens
+    (``None``: capacity-free, so it bounds every layout whatever its token counts).
 
-    A split document moves, summed over every holder but the one with its last token, that holder's last
-    position + 1 (its horizon). Sort those holders by horizon: the first j of them hold only positions below
-    the j-th horizon, so at most its causal prefix area. The holder of the last token keeps at most the
-    node cap ``A``, each other holder too, so the k-th largest horizon carries at least ``area - k * A``:
-    the document moves at least ``sum_k rows_for(area - k * A)`` rows (k = 1, 2, ... while positive).
+    A split document moves, summed over every holder but the one with its last token (N), that holder's last
+    position + 1 (its horizon). Sort those holders by horizon: h_1 >= h_2 >= ... For each k, the document's
+    tokens off N and holders 1..k-1 lie below h_k. Capacity-free, they carry at most its causal prefix
+    area while N and each of the k-1 holders keep at most the node cap ``A``, so
+    ``h_k >= rows_for(area - k * A)``. With token capacities (``_capacity_horizon``), those k nodes also
+    hold at least ``total - (n - k) * node_tokens`` tokens, the ones not from the document carrying at least
+    the least area that many tokens of the other documents can carry (the sparsest positions), and the
+    document's tokens off them are at most the densest ``s`` below ``h_k``. Rows >= sum_k of the bounds.
     """
     if not isinstance(num_nodes, int) or isinstance(num_nodes, bool) or num_nodes < 1:
         raise ValueError(f"num_nodes={num_nodes!r} must be a positive int")
     if not imbalance >= 1.0:
         raise ValueError(f"imbalance={imbalance!r} must be >= 1.0")
-    areas = [causal_area(0, n) for n in doc_lengths]
+    lengths = [int(n) for n in doc_lengths]
+    if node_tokens is not None and (not isinstance(node_tokens, int) or node_tokens * num_nodes < sum(lengths)):
+        raise ValueError(f"node_tokens={node_tokens!r} must be an int with num_nodes * node_tokens >= "
+                         f"{sum(lengths)} (the batch's tokens)")
+    areas = [causal_area(0, n) for n in lengths]
     cap = imbalance * sum(areas) / num_nodes
+    sparsest = _Sparsest(lengths) if node_tokens is not None else None
     rows = 0
-    for area in areas:
-        k = 1
-        while area - k * cap > 0:
-            rows += _rows_for_area(area - k * cap)
-            k += 1
+    for d, area in enumerate(areas):
+        for k in range(1, num_nodes):
+            free = _rows_for_area(area - k * cap)
+            if sparsest is not None:
+                free = max(free, _capacity_horizon(d, k, lengths, num_nodes, node_tokens, k * cap, sparsest))
+            rows += free
     return rows
+
+
+class _Sparsest:
+    """The least causal area ``r`` tokens of a batch can carry, leaving one document out: the ``r`` smallest
+    (position + 1) values over the other documents (a token's area is its position + 1)."""
+
+    def __init__(self, lengths: Sequence[int]) -> None:
+        self.lengths = sorted(lengths)
+        self.count, self.sums = [0], [0]
+        for n in self.lengths:
+            self.count.append(self.count[-1] + n)
+            self.sums.append(self.sums[-1] + n * (n + 1) // 2)
+
+    def _upto(self, v: int, skip: int) -> Tuple[int, int]:
+        """(count, sum) of the values <= v, document of length ``skip`` left out."""
+        i = bisect.bisect_right(self.lengths, v)
+        wide = len(self.lengths) - i
+        count, total = self.count[i] + wide * v, self.sums[i] + wide * v * (v + 1) // 2
+        m = min(skip, v)
+        return count - m, total - m * (m + 1) // 2
+
+    def least(self, r: int, skip: int) -> float:
+        if r <= 0:
+            return 0.0
+        if r > self.count[-1] - skip:
+            return math.inf
+        lo, hi = 0, self.lengths[-1]  # largest v with at most r values <= v
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            lo, hi = (mid, hi) if self._upto(mid, skip)[0] <= r else (lo, mid - 1)
+        count, total = self._upto(lo, skip)
+        return float(total + (r - count) * (lo + 1))
+
+
+def _capacity_horizon(d: int, k: int, lengths: Sequence[int], num_nodes: int, node_tokens: int, cap: float,
+                      sparsest: _Sparsest) -> int:
+    """Smallest h_k (docstring of ``inter_node_rows_lower_bound``) such that some count ``s`` of document d's
+    tokens off k nodes holding at most ``cap`` area fits: area - densest(s below h) + least(others) <= cap.
+    The left side is convex in ``s`` (a concave area removed, a convex least area added): its minimum is
+    where its increment turns non-negative, a bisection; it decreases with h: a bisection again."""
+    length = lengths[d]
+    area = causal_area(0, length)
+    base = sum(lengths) - (num_nodes - k) * node_tokens - length  # other tokens on the k nodes when s = 0
+
+    def excess(h: int) -> float:
+        lo, hi = max(0, length - k * node_tokens), min(length, h, (num_nodes - k) * node_tokens)
+        if lo > hi:
+            return math.inf
+
+        def f(s: int) -> float:
+            return area - s * (2 * h - s + 1) / 2 + sparsest.least(base + s, length) - cap
+
+        while lo < hi:
+            mid = (lo + hi) // 2
+            lo, hi = (lo, mid) if f(mid + 1) >= f(mid) else (mid + 1, hi)
+        return f(lo)
+
+    if excess(0) <= 0:
+        return 0
+    lo, hi = 0, length
+    if excess(hi) > 0:
+        return length  # no placement meets these caps: any count bounds its (empty) set; keep it finite
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if excess(mid) <= 0 else (mid, hi)
+    return hi

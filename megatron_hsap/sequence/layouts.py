@@ -3,6 +3,10 @@
 A layout maps document lengths to, per CP rank, a list of ``(doc_index, doc_start,
 doc_end)`` segments in local order; every rank holds ``tokens_per_rank`` slots, the
 slots after its segments being padding (zero output, zero gradient, masked loss).
+Internally a layout is one *segment table*: int64 ``[n, 4]`` rows ``(cp_rank, doc,
+doc_start, doc_end)`` ordered by rank, then local order, built and checked with numpy
+ops (a 1M-token batch in a pure ring of 16 has ~19K zigzag segments; per-segment Python
+cost 25-45 ms a batch).
 
 - ``zigzag``: per document, TE-style, over the ring members: a document is cut into 2R
   chunks (R = ring size), ring member r keeping chunks r and 2R-1-r, which balances
@@ -19,116 +23,142 @@ from __future__ import annotations
 
 from typing import List, Sequence, Tuple
 
-import torch
+import numpy as np
 
 Segment = Tuple[int, int, int]  # (doc_index, doc_start, doc_end): tokens [doc_start, doc_end) of one document
 
 
-def zigzag_layout(doc_lengths: Sequence[int], cp_size: int,
-                  ulysses_size: int = 1) -> Tuple[List[List[Segment]], int]:
+def split_streams(member: np.ndarray, doc: np.ndarray, start: np.ndarray, end: np.ndarray, ulysses_size: int,
+                  tokens_per_rank: int) -> np.ndarray:
+    """Segment table of ring members' token streams (segments ordered by member, then buffer order) cut into
+    ``ulysses_size`` consecutive ranks of ``tokens_per_rank`` slots each: after the all-to-all the member
+    buffer is the stream again. A segment crossing a rank boundary is split there."""
+    member, doc, start, end = (np.asarray(a, dtype=np.int64) for a in (member, doc, start, end))
+    keep = end > start
+    member, doc, start, end = member[keep], doc[keep], start[keep], end[keep]
+    if not len(doc):
+        return np.zeros((0, 4), dtype=np.int64)
+    length = end - start
+    # Buffer position of every segment inside its member, then in the concatenation of member capacities.
+    before = np.cumsum(length) - length
+    counts = np.bincount(member)
+    offset = before - before[(np.cumsum(counts) - counts)[member]]  # minus the tokens before the member's first
+    member_tokens = ulysses_size * tokens_per_rank
+    if np.any(offset + length > member_tokens):
+        raise AssertionError(f"a member stream does not fit {ulysses_size} ranks of {tokens_per_rank} tokens")
+    pos = member * member_tokens + offset
+    # Rank boundaries falling strictly inside a segment split it.
+    first_rank, last_rank = pos // tokens_per_rank, (pos + length - 1) // tokens_per_rank
+    parts = last_rank - first_rank + 1
+    row = np.repeat(np.arange(len(doc)), parts)
+    rank = np.repeat(first_rank, parts) + (np.arange(len(row)) - np.repeat(np.cumsum(parts) - parts, parts))
+    lo = np.maximum(pos[row], rank * tokens_per_rank)
+    hi = np.minimum(pos[row] + length[row], (rank + 1) * tokens_per_rank)
+    s = start[row] + lo - pos[row]
+    return np.stack([rank, doc[row], s, s + hi - lo], axis=1)
+
+
+def zigzag_table(doc_lengths: Sequence[int], cp_size: int, ulysses_size: int = 1) -> Tuple[np.ndarray, int]:
+    """Segment table and ``tokens_per_rank`` of the pad-free per-member zigzag (module docstring)."""
     if cp_size < 1 or ulysses_size < 1 or cp_size % ulysses_size:
         raise ValueError(f"cp_size={cp_size} must be a positive multiple of ulysses_size={ulysses_size}")
     ring = cp_size // ulysses_size
     chunks = 2 * ring
-    tokens_per_rank = -(-sum(doc_lengths) // cp_size)
-    docs = [d for d, n in enumerate(doc_lengths) if n > 0]
-    if not docs:
-        streams: List[List[Segment]] = [[] for _ in range(ring)]
-    elif ring == 1:
-        streams = [[(d, 0, doc_lengths[d]) for d in docs]]
-    else:
-        # Vectorised over documents: chunk sizes [docs, 2R], then each member's two chunks per document.
-        lengths = torch.tensor([doc_lengths[d] for d in docs], dtype=torch.int64)
-        base, remainder = lengths // chunks, lengths % chunks
-        turn = (torch.cumsum(remainder, 0) - remainder) % chunks  # round-robin position of the first remainder
-        # Slot of chunk c in the round-robin order: the first chunks of members 0..R-1, then their second
-        # chunks, so any run of R consecutive remainder tokens reaches every member once.
-        slot = torch.tensor([c if c < ring else 3 * ring - 1 - c for c in range(chunks)], dtype=torch.int64)
-        sizes = base[:, None] + (((slot[None, :] - turn[:, None]) % chunks) < remainder[:, None]).to(torch.int64)
-        ends = torch.cumsum(sizes, 1)
-        bounds = torch.cat([ends - sizes, ends], 1).tolist()  # per document: starts of the 2R chunks, then ends
-        streams = []
-        for m in range(ring - 1):
-            first, second = m, chunks - 1 - m
-            streams.append([seg for d, row in zip(docs, bounds)
-                            for seg in ((d, row[first], row[chunks + first]), (d, row[second], row[chunks + second]))
-                            if seg[2] > seg[1]])
-        middle = ring - 1  # the last member's two chunks are adjacent: one segment
-        streams.append([(d, row[middle], row[chunks + middle + 1]) for d, row in zip(docs, bounds)
-                        if row[chunks + middle + 1] > row[middle]])
-    out: List[List[Segment]] = []
-    for stream in streams:
-        out.extend(split_member_stream(stream, ulysses_size, tokens_per_rank))
-    return out, tokens_per_rank
+    lengths = np.asarray(doc_lengths, dtype=np.int64).reshape(-1)
+    tokens_per_rank = -(-int(lengths.sum()) // cp_size)
+    docs = np.flatnonzero(lengths > 0)
+    if ring == 1:
+        zeros = np.zeros(len(docs), dtype=np.int64)
+        return split_streams(zeros, docs, zeros, lengths[docs], ulysses_size, tokens_per_rank), tokens_per_rank
+    n = lengths[docs]
+    base, remainder = n // chunks, n % chunks
+    turn = (np.cumsum(remainder) - remainder) % chunks  # round-robin position of the document's first remainder
+    # Slot of chunk c in the round-robin order: the first chunks of members 0..R-1, then their second chunks,
+    # so any run of R consecutive remainder tokens reaches every member once.
+    c = np.arange(chunks)
+    slot = np.where(c < ring, c, 3 * ring - 1 - c)
+    sizes = base[:, None] + (((slot[None, :] - turn[:, None]) % chunks) < remainder[:, None])
+    ends = np.cumsum(sizes, axis=1)
+    starts = ends - sizes
+    # Member m keeps chunks m and 2R-1-m; the last member's two chunks are adjacent: one segment.
+    m = np.arange(ring)
+    second = chunks - 1 - m
+    first_end = ends[:, m]
+    first_end[:, ring - 1] = ends[:, ring]
+    seg_start = np.stack([starts[:, m], starts[:, second]], axis=2)  # [docs, ring, 2]
+    seg_end = np.stack([first_end, ends[:, second]], axis=2)
+    seg_end[:, ring - 1, 1] = seg_start[:, ring - 1, 1]  # the middle member has no second segment
+    # Order: member, then document, then its two chunks.
+    seg_start, seg_end = seg_start.transpose(1, 0, 2).reshape(-1), seg_end.transpose(1, 0, 2).reshape(-1)
+    member = np.repeat(m, 2 * len(docs))
+    doc = np.tile(np.repeat(docs, 2), ring)
+    return split_streams(member, doc, seg_start, seg_end, ulysses_size, tokens_per_rank), tokens_per_rank
 
 
-def split_member_stream(stream: Sequence[Segment], ulysses_size: int, tokens_per_rank: int) -> List[List[Segment]]:
-    """Cut a ring member's segments (in buffer order) into ``ulysses_size`` consecutive ranks of at most
-    ``tokens_per_rank`` tokens each: after the all-to-all the member buffer is the stream again."""
-    ranks: List[List[Segment]] = []
-    pos, offset = 0, 0  # next segment, tokens of it already given out
-    for _ in range(ulysses_size):
-        rank: List[Segment] = []
-        need = tokens_per_rank
-        while need and pos < len(stream):
-            doc, s, e = stream[pos]
-            s += offset
-            take = min(need, e - s)
-            rank.append((doc, s, s + take))
-            need -= take
-            if s + take == e:
-                pos, offset = pos + 1, 0
-            else:
-                offset += take
-        ranks.append(rank)
-    if pos < len(stream):
-        raise AssertionError(f"member stream does not fit {ulysses_size} ranks of {tokens_per_rank} tokens")
-    return ranks
+def contiguous_table(doc_lengths: Sequence[int], cp_size: int) -> Tuple[np.ndarray, int]:
+    """Segment table and ``tokens_per_rank`` of the packed stream cut into ``cp_size`` equal pieces."""
+    lengths = np.asarray(doc_lengths, dtype=np.int64).reshape(-1)
+    tokens_per_rank = -(-int(lengths.sum()) // cp_size)
+    zeros = np.zeros(len(lengths), dtype=np.int64)
+    return split_streams(zeros, np.arange(len(lengths)), zeros, lengths, cp_size, tokens_per_rank), tokens_per_rank
+
+
+def table_segments(table: np.ndarray, cp_size: int) -> List[List[Segment]]:
+    """Per CP rank, its ``(doc, doc_start, doc_end)`` segments in local order."""
+    bounds = np.searchsorted(table[:, 0], np.arange(cp_size + 1)).tolist()
+    rows = list(zip(*(table[:, k].tolist() for k in (1, 2, 3)))) if len(table) else []
+    return [rows[bounds[c]:bounds[c + 1]] for c in range(cp_size)]
+
+
+def segment_table(rank_segments: Sequence[Sequence[Segment]]) -> np.ndarray:
+    """The segment table of per-rank segment lists (inverse of ``table_segments``)."""
+    rows = [(c, d, s, e) for c, segments in enumerate(rank_segments) for d, s, e in segments]
+    return np.array(rows, dtype=np.int64).reshape(-1, 4)
+
+
+def zigzag_layout(doc_lengths: Sequence[int], cp_size: int,
+                  ulysses_size: int = 1) -> Tuple[List[List[Segment]], int]:
+    table, tokens_per_rank = zigzag_table(doc_lengths, cp_size, ulysses_size)
+    return table_segments(table, cp_size), tokens_per_rank
 
 
 def contiguous_layout(doc_lengths: Sequence[int], cp_size: int) -> Tuple[List[List[Segment]], int]:
-    total = sum(doc_lengths)
-    tokens_per_rank = -(-total // cp_size)
-    rank_segments: List[List[Segment]] = [[] for _ in range(cp_size)]
-    rank, used = 0, 0
-    for doc, length in enumerate(doc_lengths):
-        start = 0
-        while start < length:
-            take = min(length - start, tokens_per_rank - used)
-            rank_segments[rank].append((doc, start, start + take))
-            start += take
-            used += take
-            if used == tokens_per_rank:
-                rank, used = rank + 1, 0
-    return rank_segments, tokens_per_rank
+    table, tokens_per_rank = contiguous_table(doc_lengths, cp_size)
+    return table_segments(table, cp_size), tokens_per_rank
+
+
+def check_table(table: np.ndarray, doc_lengths: Sequence[int], tokens_per_rank: int) -> None:
+    """Every token placed exactly once, no rank over capacity: a placement bug must fail loudly, not attend wrongly.
+
+    Segments inside their documents whose packed positions, sorted, tile ``[0, total)`` end to end cover
+    every token exactly once."""
+    lengths = np.asarray(doc_lengths, dtype=np.int64).reshape(-1)
+    doc_starts = np.concatenate([np.zeros(1, dtype=np.int64), np.cumsum(lengths)])
+    rank, doc, start, end = table.T
+    if len(table) and (np.any(np.diff(rank) < 0) or rank[0] < 0):
+        raise AssertionError("layout segment table is not ordered by CP rank")
+    load = np.bincount(rank, weights=end - start)
+    if np.any(load > tokens_per_rank):
+        raise AssertionError(f"layout puts more than tokens_per_rank={tokens_per_rank} tokens on CP rank "
+                             f"{int(np.argmax(load > tokens_per_rank))}")
+    inside = (doc >= 0) & (doc < len(lengths)) & (start >= 0) & (end > start)
+    inside &= end <= lengths[np.where(inside, doc, 0)]
+    if not np.all(inside):
+        k = int(np.argmin(inside))
+        raise AssertionError(f"layout segment {tuple(table[k, 1:].tolist())} is outside document {doc[k]}")
+    first = doc_starts[doc] + start
+    order = np.argsort(first, kind="stable")
+    g_start, g_end = first[order], (doc_starts[doc] + end)[order]
+    expected = np.concatenate([np.zeros(1, dtype=np.int64), g_end[:-1]])
+    if np.any(g_start != expected) or (g_end[-1] if len(g_end) else 0) != doc_starts[-1]:
+        bad = np.flatnonzero(g_start != expected)
+        position = int(expected[bad[0]]) if len(bad) else int(g_end[-1] if len(g_end) else 0)
+        d = min(int(np.searchsorted(doc_starts, position, side="right")) - 1, len(lengths) - 1)
+        while d > 0 and lengths[d] == 0 and doc_starts[d] == position:
+            d -= 1
+        raise AssertionError(f"layout does not cover document {d} exactly once at token {position - doc_starts[d]}")
 
 
 def check_layout(rank_segments: Sequence[Sequence[Segment]], doc_lengths: Sequence[int], tokens_per_rank: int) -> None:
-    """Every token placed exactly once, no rank over capacity: a placement bug must fail loudly, not attend wrongly."""
-    pieces: List[Segment] = []
-    for rank, segments in enumerate(rank_segments):
-        if sum(e - s for _, s, e in segments) > tokens_per_rank:
-            raise AssertionError(f"layout puts more than tokens_per_rank={tokens_per_rank} tokens on CP rank {rank}")
-        pieces.extend(segments)
-    pieces.sort()
-    doc, position = -1, 0
-    for piece in pieces:
-        d, start, end = piece
-        if d != doc:
-            _check_finished(doc, position, doc_lengths, d)
-            doc, position = d, 0
-        if not (0 <= start < end <= doc_lengths[d]):
-            raise AssertionError(f"layout segment {piece} is outside document {d}")
-        if start != position:
-            raise AssertionError(f"layout does not cover document {d} exactly once at token {position}")
-        position = end
-    _check_finished(doc, position, doc_lengths, len(doc_lengths))
-
-
-def _check_finished(doc: int, position: int, doc_lengths: Sequence[int], next_doc: int) -> None:
-    """Document ``doc`` covered up to its length, and every document before ``next_doc`` after it empty."""
-    if doc >= 0 and position != doc_lengths[doc]:
-        raise AssertionError(f"layout covers document {doc} up to {position} of {doc_lengths[doc]} tokens")
-    for skipped in range(doc + 1, min(next_doc, len(doc_lengths))):
-        if doc_lengths[skipped]:
-            raise AssertionError(f"layout covers document {skipped} up to 0 of {doc_lengths[skipped]} tokens")
+    """``check_table`` on per-rank segment lists."""
+    check_table(segment_table(rank_segments), doc_lengths, tokens_per_rank)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import gc
 from dataclasses import dataclass, field
 from functools import lru_cache
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -21,8 +21,8 @@ from megatron_hsap.config import LAYOUTS
 from megatron_hsap.head_split import split_heads
 from megatron_hsap.parallel_state import CPTopology
 from megatron_hsap.sequence.cost_model import CostModel
-from megatron_hsap.sequence.layouts import Segment, check_layout, contiguous_layout, zigzag_layout
 from megatron_hsap.kernels.base import band_area
+from megatron_hsap.sequence.layouts import Segment, check_table, contiguous_table, table_segments, zigzag_table
 from megatron_hsap.sequence.schedule import (MemberSchedule, Piece, Window, build_member_schedule, document_bounds,
                                              member_pieces, normalize_window, piece_tables)
 
@@ -50,7 +50,14 @@ def validate_cu_seqlens(cu_seqlens: torch.Tensor) -> Tuple[int, ...]:
 
 @dataclass(frozen=True)
 class PlanStats:
-    """Per-CP-rank figures for one layer's attention forward pass (lists indexed by CP rank)."""
+    """Per-CP-rank figures for one layer's attention forward pass (lists indexed by CP rank, except
+    ``recv_bytes_inter_forwarded``: indexed by node, in increasing node id).
+
+    ``recv_bytes_inter`` counts a remote key/value row once per receiving ring member (what the ring
+    moves today); ``recv_bytes_inter_forwarded`` once per receiving node: what node-level K/V forwarding
+    (a row needed by several members of a node crosses the node boundary once, then is shared inside the
+    node) would move. The two are equal when a node holds one ring member (Ulysses over the node).
+    """
 
     tokens: List[int]
     padding_tokens: List[int]
@@ -61,6 +68,7 @@ class PlanStats:
     recv_bytes_inter: List[int]
     #: The ring's key/value bytes among ``send_bytes_*`` (what a sliding window shrinks).
     ring_send_bytes: List[int]
+    recv_bytes_inter_forwarded: List[int]
 
     def __getitem__(self, key: str) -> List[int]:
         return getattr(self, key)
@@ -77,17 +85,36 @@ class PlanStats:
 
 @dataclass
 class _PlanData:
-    """Rank-independent part of a plan, shared through the cache."""
+    """Rank-independent part of a plan, shared through the cache (and picklable: data-loader workers build it).
+
+    ``table``: the placement as a segment table (``layouts.split_streams``); ``tables``: per member, the piece
+    tables the schedule compiler joins on (``schedule.piece_tables``' form), built from it with numpy ops.
+    The per-rank segment tuples and per-member piece dicts are built on first use (reports, ``stats``):
+    a rank in training needs only its own slots and its member's schedule.
+    """
 
     doc_lengths: Tuple[int, ...]
     layout: str
     cp_size: int
     ulysses_size: int
-    rank_segments: Tuple[Tuple[Segment, ...], ...]
+    table: np.ndarray
     tokens_per_rank: int
-    pieces: List[Dict[int, List[Piece]]] = field(default_factory=list)
     schedules: Dict[Tuple[int, bool, Window], MemberSchedule] = field(default_factory=dict)
     tables: Optional[List[np.ndarray]] = None
+    _segments: Optional[Tuple[Tuple[Segment, ...], ...]] = None
+    _pieces: Optional[List[Dict[int, List[Piece]]]] = None
+
+    @property
+    def rank_segments(self) -> Tuple[Tuple[Segment, ...], ...]:
+        if self._segments is None:
+            self._segments = tuple(tuple(s) for s in table_segments(self.table, self.cp_size))
+        return self._segments
+
+    @property
+    def pieces(self) -> List[Dict[int, List[Piece]]]:
+        if self._pieces is None:
+            self._pieces = member_pieces(self.rank_segments, self.tokens_per_rank, self.ulysses_size)
+        return self._pieces
 
     def schedule(self, member: int, causal: bool, window: Window) -> MemberSchedule:
         key = (member, causal, window)
@@ -98,27 +125,57 @@ class _PlanData:
         return self.schedules[key]
 
 
+def _member_tables(table: np.ndarray, doc_lengths: Sequence[int], tokens_per_rank: int, ulysses: int,
+                   ring: int) -> List[np.ndarray]:
+    """Per member, int64 ``[n, 4]`` rows (doc, buffer_start, doc_start, doc_end) sorted by document then
+    position, adjacent pieces merged: ``schedule.piece_tables(schedule.member_pieces(...))`` with numpy ops."""
+    if not len(table):
+        return [np.zeros((0, 4), dtype=np.int64) for _ in range(ring)]
+    rank, doc, start, end = table.T
+    length = end - start
+    # Buffer position: the rank's slot offset in the member, plus the tokens before the row in its rank.
+    before = np.cumsum(length) - length
+    rank_first = np.cumsum(np.bincount(rank, minlength=ring * ulysses)) - np.bincount(rank, minlength=ring * ulysses)
+    buffer = (rank % ulysses) * tokens_per_rank + before - before[rank_first[rank]]
+    member = rank // ulysses
+    # A row continuing the previous one (same member and document, adjacent in the buffer and the document)
+    # is merged into it: a document cut only by a Ulysses rank boundary is one piece of the member buffer.
+    head = np.ones(len(doc), dtype=bool)
+    head[1:] = ~((member[1:] == member[:-1]) & (doc[1:] == doc[:-1]) & (start[1:] == end[:-1])
+                 & (buffer[1:] == buffer[:-1] + length[:-1]))
+    heads = np.flatnonzero(head)
+    tails = np.append(heads[1:] - 1, len(doc) - 1)
+    merged = np.stack([doc[heads], buffer[heads], start[heads], end[tails]], axis=1)
+    owner = member[heads]
+    # Sort by member, then document, then position: the packed position orders (document, position).
+    doc_starts = np.concatenate([np.zeros(1, dtype=np.int64), np.cumsum(doc_lengths, dtype=np.int64)])
+    order = np.argsort(owner * (int(doc_starts[-1]) + 1) + doc_starts[merged[:, 0]] + merged[:, 2], kind="stable")
+    merged, owner = merged[order], owner[order]
+    bounds = np.searchsorted(owner, np.arange(ring + 1)).tolist()
+    return [merged[bounds[m]:bounds[m + 1]] for m in range(ring)]
+
+
 def _place(doc_lengths: Tuple[int, ...], topology: CPTopology, layout: str,
-           cost_model: Optional[CostModel] = None) -> Tuple[List[List[Segment]], int]:
+           cost_model: Optional[CostModel] = None) -> Tuple[np.ndarray, int]:
     cp = topology.cp_size
     if layout == "zigzag":
-        return zigzag_layout(doc_lengths, cp, topology.ulysses_size)
+        return zigzag_table(doc_lengths, cp, topology.ulysses_size)
     if layout == "contiguous":
-        return contiguous_layout(doc_lengths, cp)
-    from megatron_hsap.sequence.placement import sequence_aware_placement
+        return contiguous_table(doc_lengths, cp)
+    from megatron_hsap.sequence.placement import sequence_aware_table
 
     nodes = topology.node_of_cp_rank
     members_on_node0 = sum(1 for m in range(topology.ring_size) if nodes[m * topology.ulysses_size] == nodes[0])
     tokens_per_rank = -(-sum(doc_lengths) // cp)
-    segments = sequence_aware_placement(doc_lengths, ring_size=topology.ring_size, ulysses_size=topology.ulysses_size,
-                                        ring_members_per_node=members_on_node0, tokens_per_rank=tokens_per_rank,
-                                        cost_model=cost_model)
-    return segments, tokens_per_rank
+    table = sequence_aware_table(doc_lengths, ring_size=topology.ring_size, ulysses_size=topology.ulysses_size,
+                                 ring_members_per_node=members_on_node0, tokens_per_rank=tokens_per_rank,
+                                 cost_model=cost_model)
+    return table, tokens_per_rank
 
 
-@lru_cache(maxsize=64)
-def _cached_plan_data(doc_lengths: Tuple[int, ...], topology_signature: tuple, layout: str,
-                      cost_model: Optional[CostModel]) -> _PlanData:
+def build_plan_data(doc_lengths: Tuple[int, ...], topology_signature: tuple, layout: str,
+                    cost_model: Optional[CostModel]) -> _PlanData:
+    """The rank-independent part of a plan, uncached: placement, its check, the members' piece tables."""
     cp, ulysses, nodes = topology_signature
     topology = CPTopology(cp_size=cp, ulysses_size=ulysses, node_of_cp_rank=nodes)
     # Planning allocates many small acyclic objects; a full cyclic-GC pass over the process heap triggered
@@ -126,14 +183,17 @@ def _cached_plan_data(doc_lengths: Tuple[int, ...], topology_signature: tuple, l
     gc_was_enabled = gc.isenabled()
     gc.disable()
     try:
-        segments, tokens_per_rank = _place(doc_lengths, topology, layout, cost_model)
-        check_layout(segments, doc_lengths, tokens_per_rank)
-        data = _PlanData(doc_lengths, layout, cp, ulysses, tuple(tuple(s) for s in segments), tokens_per_rank)
-        data.pieces = member_pieces(data.rank_segments, tokens_per_rank, ulysses)
+        table, tokens_per_rank = _place(doc_lengths, topology, layout, cost_model)
+        check_table(table, doc_lengths, tokens_per_rank)
+        data = _PlanData(doc_lengths, layout, cp, ulysses, table, tokens_per_rank)
+        data.tables = _member_tables(table, doc_lengths, tokens_per_rank, ulysses, cp // ulysses)
     finally:
         if gc_was_enabled:
             gc.enable()
     return data
+
+
+_cached_plan_data = lru_cache(maxsize=64)(build_plan_data)
 
 
 def plan_batch(cu_seqlens: torch.Tensor, topology: CPTopology, layout: str = "zigzag", *,
@@ -202,17 +262,17 @@ class BatchPlan:
 
     def _slot_tables(self, rank: int) -> Tuple[torch.Tensor, torch.Tensor]:
         """(global index, in-document position) of every local slot of CP rank ``rank``; (-1, 0) on padding."""
-        doc_starts = [0]
-        for n in self._data.doc_lengths:
-            doc_starts.append(doc_starts[-1] + n)
-        indices = torch.full((self.tokens_per_rank,), -1, dtype=torch.int64)
-        positions = torch.zeros(self.tokens_per_rank, dtype=torch.int64)
-        offset = 0
-        for doc, start, end in self._data.rank_segments[rank]:
-            indices[offset:offset + end - start] = torch.arange(doc_starts[doc] + start, doc_starts[doc] + end)
-            positions[offset:offset + end - start] = torch.arange(start, end)
-            offset += end - start
-        return indices, positions
+        table = self._data.table
+        lo, hi = np.searchsorted(table[:, 0], [rank, rank + 1]).tolist()
+        _, doc, start, end = table[lo:hi].T
+        length = end - start
+        doc_starts = np.concatenate([[0], np.cumsum(np.asarray(self._data.doc_lengths, dtype=np.int64))])
+        # Slot j of segment k: in-document position start_k + (j - first slot of k).
+        positions = np.arange(int(length.sum())) + np.repeat(start - (np.cumsum(length) - length), length)
+        indices = positions + np.repeat(doc_starts[doc], length)
+        pad = self.tokens_per_rank - len(positions)
+        return (torch.from_numpy(np.concatenate([indices, np.full(pad, -1, dtype=np.int64)])),
+                torch.from_numpy(np.concatenate([positions, np.zeros(pad, dtype=np.int64)])))
 
     def global_indices_of(self, rank: Optional[int] = None) -> torch.Tensor:
         """int64 ``[tokens_per_rank]``: global packed index of each local slot, -1 on padding."""
@@ -243,7 +303,7 @@ class BatchPlan:
 
     @property
     def num_padding_tokens(self) -> int:
-        return self.tokens_per_rank - sum(e - s for _, s, e in self._data.rank_segments[self._rank(None)])
+        return int((self.global_indices < 0).sum())
 
     def shard(self, x: torch.Tensor, dim: int = 0) -> torch.Tensor:
         """This rank's part of a global tensor whose ``dim`` has the packed length; zeros on padding."""
@@ -348,7 +408,23 @@ class BatchPlan:
                         row_bytes = 2 * kv_heads[u] * head_dim * elem
                         add(b * ulysses + u, a * ulysses + u, rows * row_bytes)
                         ring_send[b * ulysses + u] += rows * row_bytes
-        return PlanStats(tokens, padding, flops, send_intra, send_inter, recv_intra, recv_inter, ring_send)
+        # With forwarding a node receives, from each remote member, the rows any of its members needs:
+        # the node's pieces of a document taken together, causal limit = the latest query of any member.
+        row_bytes = 2 * sum(kv_heads) * head_dim * elem  # every Ulysses rank's KV heads of one row
+        node_of_member = [topo.node_of_cp_rank[m * ulysses] for m in range(ring)]
+        nodes = sorted(set(node_of_member))
+        forwarded = []
+        for node in nodes:
+            node_docs: Dict[int, List[Piece]] = {}
+            for m in range(ring):
+                if node_of_member[m] == node:
+                    for doc, doc_pieces in pieces[m].items():
+                        node_docs.setdefault(doc, []).extend(doc_pieces)
+            rows = sum(needed_rows(node_docs, pieces[b], causal, window)
+                       for b in range(ring) if node_of_member[b] != node)
+            forwarded.append(rows * row_bytes)
+        return PlanStats(tokens, padding, flops, send_intra, send_inter, recv_intra, recv_inter, ring_send,
+                         forwarded)
 
 
 def needed_rows(q_docs: Dict[int, List[Piece]], k_docs: Dict[int, List[Piece]], causal: bool,

@@ -36,7 +36,8 @@ import torch.distributed as dist
 from megatron_hsap.training import fault_injection, progress
 from megatron_hsap.training.arguments import cp_config_from_args
 from megatron_hsap.training.iteration_log import IterationLogger, IterationRecord, peak_memory_bytes
-from megatron_hsap.training.packing import PackedMicroBatch, pack_micro_batch
+from megatron_hsap.sequence.prefetch import plan_ahead
+from megatron_hsap.training.packing import PackedMicroBatch, document_cu_seqlens, pack_micro_batch
 
 __all__ = ["pretrain", "forward_packed"]
 
@@ -68,6 +69,9 @@ def _check_heads(args: argparse.Namespace, topology: Any) -> None:
 
 def _packed_iterator(batches: Iterator[Dict[str, torch.Tensor]], eod: int, split_at_eod: bool, topology: Any,
                      layout: str, device: torch.device) -> Iterator[PackedMicroBatch]:
+    """Pack each micro-batch and move it to ``device``; the next ones are planned in a background thread
+    meanwhile (``plan_ahead``), so ``pack_micro_batch``'s own ``plan_batch`` is a cache hit."""
+    batches = plan_ahead(batches, lambda b: document_cu_seqlens(b["tokens"], eod, split_at_eod), topology, layout)
     for batch in batches:
         yield pack_micro_batch(batch, eod, split_at_eod, topology, layout).to(device)
 
