@@ -301,7 +301,7 @@ def section_throughput(sizes: Sizes, device: torch.device, kernels: List[str], b
                              "fwd_tflops": fwd_flops / t_fwd / 1e12, "bwd_tflops": bwd_flops / t_bwd / 1e12,
                              "fwd_bwd_tflops": (fwd_flops + bwd_flops) / (t_fwd + t_bwd) / 1e12})
                 rate = (fwd_flops + bwd_flops) / (t_fwd + t_bwd)
-                del q, k, v, dout, out, lse
+                q = k = v = dout = out = lse = None  # free before the next configuration
     ratios = []
     for r in rows:
         if r["config"] == "upipe_stage" and "skipped" not in r:
@@ -449,7 +449,7 @@ def section_memory(sizes: Sizes, device: torch.device, kernel_name: str, budget_
                                      "peak_gib": peak / 2 ** 30, "fwd_bwd_s": seconds,
                                      # REFERENCE.md 1.1: bf16 Q/K/V + their all-to-all outputs, MHA count
                                      "formula_bytes_mha": 12 * n * heads * d})
-                        del x, grad_y
+                        x = grad_y = None  # free before the next configuration
                         for p in params.values():
                             p.grad = None
             except torch.cuda.OutOfMemoryError as err:
