@@ -116,6 +116,7 @@ def test_conflicting_attention_kernels_are_an_error(capsys):
     (["--mock-data", "--reset-position-ids"], "--reset-position-ids needs --reset-attention-mask"),
     (["--calculate-per-token-loss", "--global-batch-size", "2"],
      "--calculate-per-token-loss is not supported with EOD loss masking"),
+    (["--use-checkpoint-args"], "--use-checkpoint-args needs --load"),
     (["--recompute-activations", "--recompute-granularity", "full"], "--recompute-activations (selective) "
                                                                      "conflicts with --recompute-granularity full"),
 ])
@@ -138,12 +139,11 @@ def test_ignored_flags_are_listed_once_and_sequence_parallel_turns_off_at_tp1():
 def test_accepted_megatron_flags():
     args = _parse("--group-query-attention", "--kv-channels", "8", "--recompute-activations", "--mock-data",
                   "--calculate-per-token-loss", "--global-batch-size", "2", "--reset-attention-mask",
-                  "--reset-position-ids", "--no-load-rng", "--finetune", "--use-checkpoint-args",
-                  "--transformer-impl", "local", "--log-throughput", "--wandb-exp-name", "x")
+                  "--reset-position-ids", "--no-load-rng", "--finetune", "--transformer-impl", "local",
+                  "--log-throughput", "--wandb-exp-name", "x")
     assert args.num_query_groups == 1  # Megatron-LM's --num-query-groups default with --group-query-attention
     assert args.recompute_granularity == "selective"
-    assert (args.no_load_rng, args.finetune, args.use_checkpoint_args, args.transformer_impl) == (
-        True, True, True, "local")
+    assert (args.no_load_rng, args.finetune, args.transformer_impl) == (True, True, "local")
     assert (args.eval_interval, args.eval_iters, args.ckpt_format) == (1000, 100, "torch_dist")  # Megatron-LM's
 
 

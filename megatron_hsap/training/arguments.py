@@ -376,6 +376,7 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
         raise ValueError("--attention-dropout must be 0.0: HSAP attention has no dropout")
     if args.data_path is not None and args.mock_data:
         raise ValueError("--data-path and --mock-data are mutually exclusive")
+    validate_evaluation_logging_args(args)
     for flag, paths in (("--data-path", args.data_path), ("--valid-data-path", args.valid_data_path),
                         ("--test-data-path", args.test_data_path)):
         for prefix in data_path_prefixes(paths or []):
@@ -396,10 +397,6 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
     if args.data_path is None and not args.mock_data and args.tokenizer_type != "ByteLevelTokenizer":
         raise ValueError("without --data-path the embedded corpus is used, which needs --tokenizer-type "
                          "ByteLevelTokenizer; pass --data-path (or --mock-data) to use another tokenizer")
-    if args.tensorboard_dir is not None and importlib.util.find_spec("tensorboard") is None:
-        raise ValueError("--tensorboard-dir needs the tensorboard package (pip install tensorboard)")
-    if args.wandb_project and importlib.util.find_spec("wandb") is None:
-        raise ValueError("--wandb-project needs the wandb package (pip install wandb)")
     if args.save_interval is not None and args.save is None:
         raise ValueError("--save-interval needs --save")
     if args.load is not None and os.path.exists(args.load) and not os.path.isdir(args.load):
@@ -545,7 +542,6 @@ def _check_per_token_loss(args: argparse.Namespace) -> None:
                          "the embedded corpus): the loss here averages each micro-batch's per-token mean, which "
                          "equals Megatron-LM's per-token loss only when all micro-batches have the same number of "
                          "loss tokens; drop one of the two, or use one micro-batch per global batch")
-    validate_evaluation_logging_args(args)
 
 
 def data_path_prefixes(data_path: List[str]) -> List[str]:
@@ -621,5 +617,7 @@ def validate_evaluation_logging_args(args: argparse.Namespace) -> None:
     for flag, path in (("--valid-data-path", args.valid_data_path), ("--test-data-path", args.test_data_path)):
         if path and args.data_path is None:
             raise ValueError(f"{flag} needs --data-path (the training data)")
+    if args.tensorboard_dir is not None and importlib.util.find_spec("tensorboard") is None:
+        raise ValueError("--tensorboard-dir needs the tensorboard package (pip install tensorboard)")
     if args.wandb_project is not None and importlib.util.find_spec("wandb") is None:
         raise ValueError("--wandb-project needs the wandb package (pip install wandb)")
