@@ -39,7 +39,8 @@ __all__ = ["HSAP_FLAGS", "add_hsap_args", "model_provider", "train_valid_test_da
 
 #: Flags ``add_hsap_args`` adds (Megatron-LM has none of them; its ``--context-parallel-size`` sets the CP size).
 HSAP_FLAGS = ("--context-parallel-mode", "--ulysses-size", "--head-chunk-size", "--cp-layout", "--attention-kernel",
-              "--ranks-per-node", "--mlp-sequence-chunks", "--loss-sequence-chunks")
+              "--ranks-per-node", "--mlp-sequence-chunks", "--loss-sequence-chunks",
+              "--offload-checkpointed-activations")
 
 
 def add_hsap_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -49,8 +50,11 @@ def add_hsap_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     group = parser.add_argument_group("HSAP context parallelism (megatron-hsap)")
     for flag in HSAP_FLAGS:
         action = ours[flag]
-        group.add_argument(flag, dest=action.dest, type=action.type, choices=action.choices, default=action.default,
-                           help=action.help)
+        if isinstance(action, argparse._StoreTrueAction):
+            group.add_argument(flag, dest=action.dest, action="store_true", help=action.help)
+        else:
+            group.add_argument(flag, dest=action.dest, type=action.type, choices=action.choices,
+                               default=action.default, help=action.help)
     return parser
 
 
@@ -150,17 +154,21 @@ def get_batch(data_iterator: Optional[Iterator[Any]], model: Any, eod: Optional[
 
 
 def forward_step(data_iterator: Optional[Iterator[Any]], model: Any, return_schedule_plan: bool = False,
-                 eod: Optional[int] = None, split_at_eod: Optional[bool] = None) -> Tuple[torch.Tensor, Any]:
+                 eod: Optional[int] = None, split_at_eod: Optional[bool] = None,
+                 offload_activations: Optional[bool] = None) -> Tuple[torch.Tensor, Any]:
     """Megatron-LM forward step: ``(per-token losses, loss_func)`` for one micro-batch, the loss being the
     training loop's (micro-batch mean over all CP ranks' tokens; Megatron-Core's schedule scales it for CP).
-    ``eod`` / ``split_at_eod``: see ``get_batch``."""
+    ``eod`` / ``split_at_eod``: see ``get_batch``; ``offload_activations`` defaults to Megatron-LM's
+    ``--offload-checkpointed-activations``."""
     from megatron.core import parallel_state as mpu
 
     if return_schedule_plan:
         raise ValueError("return_schedule_plan=True (Megatron-LM's combined 1F1B overlap) is not supported with "
                          "HSAP attention")
     mb = get_batch(data_iterator, model, eod, split_at_eod)
-    return forward_packed(mb, model, mpu.get_context_parallel_group())
+    if offload_activations is None:
+        offload_activations = bool(getattr(_megatron_lm_args(), "offload_checkpointed_activations", False))
+    return forward_packed(mb, model, mpu.get_context_parallel_group(), offload_activations=offload_activations)
 
 
 def main(argv: Optional[List[str]] = None) -> None:

@@ -119,6 +119,10 @@ def test_conflicting_attention_kernels_are_an_error(capsys):
     (["--use-checkpoint-args"], "--use-checkpoint-args needs --load"),
     (["--recompute-activations", "--recompute-granularity", "full"], "--recompute-activations (selective) "
                                                                      "conflicts with --recompute-granularity full"),
+    (["--offload-checkpointed-activations"], "--offload-checkpointed-activations needs --recompute-granularity "
+                                             "full (got None)"),
+    (["--offload-checkpointed-activations", "--recompute-activations"],
+     "--offload-checkpointed-activations needs --recompute-granularity full (got selective)"),
 ])
 def test_unsupported_result_changing_flags_are_errors_naming_the_flag(capsys, flags, message):
     assert message in _error(capsys, *flags)

@@ -111,7 +111,7 @@ def _loss_body(cp: int, mode: str, megatron_lm_path: bool) -> List[float]:
         assert topology.cp_size == cp and topology.ulysses_size == (cp if mode == "ulysses" else 1)
         if hierarchical is not None:
             assert topology.ulysses_group is mpu.get_hierarchical_context_parallel_groups()[0]
-        step = partial(forward_step, eod=0, split_at_eod=True)
+        step = partial(forward_step, eod=0, split_at_eod=True, offload_activations=False)
         data = iter(_batches())
     else:  # the training loop's own path
         topology = initialize_model_parallel(context_parallel_size=cp, cp_config=cp_config_from_args(args))

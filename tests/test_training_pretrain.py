@@ -109,7 +109,8 @@ def test_reference_trains(reference):
     pytest.param(4, ["--context-parallel-size", "4", "--context-parallel-mode", "hybrid", "--ranks-per-node", "2",
                      "--cp-layout", "zigzag"], id="hybrid-zigzag-cp4-2nodes"),
     pytest.param(4, ["--context-parallel-size", "4", "--context-parallel-mode", "hsap", "--ranks-per-node", "2",
-                     "--head-chunk-size", "2"], id="hsap-headchunks-seqaware-cp4-2nodes"),
+                     "--head-chunk-size", "2", "--recompute-granularity", "full",
+                     "--offload-checkpointed-activations"], id="hsap-headchunks-seqaware-cp4-2nodes-offload"),
     pytest.param(8, ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
                      "--context-parallel-size", "2", "--sequence-parallel", "--context-parallel-mode", "hsap",
                      "--ranks-per-node", "2"] + EVAL_FLAGS, id="tp2-pp2-cp2-sp-hsap-8ranks-eval"),
@@ -121,6 +122,13 @@ def test_cp_matches_cp1(tmp_path, cache_dir, reference_run, nproc, flags):
     assert all(r["cp_bytes_intra"] + r["cp_bytes_inter"] > 0 for r in records), "CP moved no bytes"
     if "--head-chunk-size" in flags:  # the fused per-head-chunk (UPipe) path did the all-to-alls
         assert all(r["cp_bytes_by_op"].get("upipe_qkv", 0) > 0 for r in records), records[0]["cp_bytes_by_op"]
+    if "--offload-checkpointed-activations" in flags:  # each layer's fp32 input [t_local, hidden] went to the host
+        from megatron_hsap.training.arguments import build_parser
+
+        defaults = build_parser().parse_args([])
+        per_micro_batch = defaults.num_layers * defaults.seq_length // 4 * defaults.hidden_size * 4
+        assert all(r["host_offload_bytes"] >= per_micro_batch for r in records), \
+            [r["host_offload_bytes"] for r in records]
     _assert_matches(records, reference)
     if "--eval-iters" in flags:  # forward-only schedule (pipelined here): the same losses as CP=1, PP=1
         evaluations = _evaluations(tmp_path)

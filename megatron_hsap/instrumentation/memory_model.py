@@ -84,7 +84,7 @@ class Parallelism:
 class Training:
     """dtype_bytes: parameter/activation element size; optimizer 'adam' or 'sgd'; distributed_optimizer: ZeRO-1
     over dp x cp; recompute 'full', 'offload' (full, with the layer-input checkpoints in host memory as
-    DeepSpeed ALST does: not implemented by this repository's training script) or 'none'; grad_bytes: main_grad
+    DeepSpeed ALST does: ``--offload-checkpointed-activations``, ``HostOffload``) or 'none'; grad_bytes: main_grad
     element size (4: Megatron's grad_reduce_in_fp32, 2: bf16 gradient buffers);
     mlp_chunks / loss_chunks: sequence tiles (1 = unchunked);
     kernel: 'flash' (GPU) or 'torch' (the CPU kernel, whose score tiles are at most ``kernel_tile`` =
@@ -239,8 +239,8 @@ def estimate(model: ModelShape, tokens: int, par: Parallelism, train: Training, 
     layers = -(-model.layers // par.pp)
     if train.recompute == "full":
         saved = layers * t * model.hidden * e
-    elif train.recompute == "offload":  # the current layer's input and the next one's prefetch stay on device
-        saved = 2 * t * model.hidden * e
+    elif train.recompute == "offload":  # HostOffload copies synchronously: one layer's input on the device
+        saved = t * model.hidden * e
     else:  # Megatron's saved tensors per layer (estimate): norms, QKV, attention output, MLP intermediates
         h = model.heads // par.tp
         qkv = (h + 2 * max(1, model.kv_heads // par.tp)) * model.head_dim

@@ -575,17 +575,24 @@ LOSS_CHUNK_TOKENS = 2048
 
 
 def add_sequence_chunk_args(parser: argparse.ArgumentParser) -> None:
-    g = parser.add_argument_group("sequence chunks (activation memory outside attention)")
+    g = parser.add_argument_group("activation memory at long context (sequence chunks, host offload)")
     g.add_argument("--mlp-sequence-chunks", type=_positive_int, default=None,
                    help="compute the MLP in this many sequence tiles with recompute (default with hsap: "
                         "ceil(tokens per rank / hidden size), as DeepSpeed ALST; else 1)")
     g.add_argument("--loss-sequence-chunks", type=_positive_int, default=None,
                    help="compute the output layer + cross-entropy in this many sequence chunks, never the "
                         f"full logits (default with hsap: ceil(tokens per rank / {LOSS_CHUNK_TOKENS}); else 1)")
+    g.add_argument("--offload-checkpointed-activations", action="store_true",
+                   help="with --recompute-granularity full: keep the layer checkpoints (each layer's input) in host "
+                        "memory, copied back one layer at a time in the backward")
 
 
 def resolve_sequence_chunks(args: argparse.Namespace) -> None:
-    """Fill the sequence-chunk defaults: chunked only with ``--context-parallel-mode hsap``."""
+    """Fill the sequence-chunk defaults (chunked only with ``--context-parallel-mode hsap``); check the offload."""
+    if getattr(args, "offload_checkpointed_activations", False) and args.recompute_granularity != "full":
+        raise ValueError(f"--offload-checkpointed-activations needs --recompute-granularity full (got "
+                         f"{args.recompute_granularity}): without full recompute every intermediate would cross "
+                         "to host memory")
     hsap = args.context_parallel_mode == "hsap"
     tokens = -(-args.seq_length // args.context_parallel_size)
     if args.mlp_sequence_chunks is None:

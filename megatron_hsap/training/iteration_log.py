@@ -124,6 +124,7 @@ class IterationRecord:
     loss_scale: float
     skipped: bool  # the optimizer skipped the update (fp16 loss scaling found inf/NaN gradients)
     tflops_per_gpu: Optional[float]  # None unless --log-throughput
+    host_offload_bytes: int = 0  # activations this rank copied to host memory (--offload-checkpointed-activations)
 
 
 class IterationLogger:

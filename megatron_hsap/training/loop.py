@@ -33,6 +33,7 @@ from typing import Any, Dict, Iterator, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
+from megatron_hsap.megatron.activation_offload import HostOffload, saved_activations_on_host
 from megatron_hsap.training import fault_injection, progress
 from megatron_hsap.training.arguments import cp_config_from_args
 from megatron_hsap.training.iteration_log import IterationLogger, IterationRecord, peak_memory_bytes
@@ -89,19 +90,21 @@ def _loss_func(mb: PackedMicroBatch, cp_group: Any, nan_check: Any, output_tenso
     return local_sum / denominator, {"lm loss": reported / denominator}
 
 
-def forward_packed(mb: PackedMicroBatch, model: Any, cp_group: Any, nan_check: Any = None
-                   ) -> Tuple[torch.Tensor, Any]:
+def forward_packed(mb: PackedMicroBatch, model: Any, cp_group: Any, nan_check: Any = None,
+                   offload_activations: bool = False) -> Tuple[torch.Tensor, Any]:
     """Megatron's forward-step contract for one packed micro-batch already on the model's device:
-    (per-token losses ``[1, t_local]``, loss function). Shared by this loop and ``megatron_hsap.megatron_lm``."""
-    output = model(mb.tokens, mb.position_ids, None, labels=mb.labels, packed_seq_params=mb.packed_seq_params)
+    (per-token losses ``[1, t_local]``, loss function). Shared by this loop and ``megatron_hsap.megatron_lm``.
+    ``offload_activations``: the activations saved for backward live in host memory (``HostOffload``)."""
+    with saved_activations_on_host(offload_activations, mb.tokens.device):
+        output = model(mb.tokens, mb.position_ids, None, labels=mb.labels, packed_seq_params=mb.packed_seq_params)
     return output, partial(_loss_func, mb, cp_group, nan_check)
 
 
-def _forward_step(cp_group: Any, nan_check: Any, all_chunks: List[Any], data_iterator: Iterator[PackedMicroBatch],
-                  model: Any) -> Tuple[torch.Tensor, Any]:
+def _forward_step(cp_group: Any, nan_check: Any, offload_activations: bool, all_chunks: List[Any],
+                  data_iterator: Iterator[PackedMicroBatch], model: Any) -> Tuple[torch.Tensor, Any]:
     mb = next(data_iterator)
     fault_injection.inject("forward", progress.current_iteration(), model=all_chunks, loss_mask=mb.loss_mask)
-    return forward_packed(mb, model, cp_group, nan_check)
+    return forward_packed(mb, model, cp_group, nan_check, offload_activations)
 
 
 def _eval_forward_step(cp_group: Any, data_iterator: Iterator[PackedMicroBatch], model: Any
@@ -279,7 +282,8 @@ def _train(args: argparse.Namespace, signals: Any, started: float) -> List[Itera
     data_iterator = iterators if len(model) > 1 else iterators[0]
     forward_backward = get_forward_backward_func()
     evaluator = _Evaluator(args, model, forward_backward, mpu.get_context_parallel_group(), packed, device)
-    step = partial(_forward_step, mpu.get_context_parallel_group(), nan_check, model)
+    step = partial(_forward_step, mpu.get_context_parallel_group(), nan_check, args.offload_checkpointed_activations,
+                   model)
     check_exit = signals is not None or args.exit_duration_in_mins is not None
     tokens_per_iter = args.global_batch_size * args.seq_length
     flops = (num_floating_point_operations(args, args.global_batch_size,
@@ -293,6 +297,7 @@ def _train(args: argparse.Namespace, signals: Any, started: float) -> List[Itera
         optimizer.zero_grad()
         progress.set_phase("forward-backward", iteration)
         before, t0 = comm_stats(), time.perf_counter()
+        offloaded_before = HostOffload.total_offloaded_bytes
         losses = forward_backward(forward_step_func=step, data_iterator=data_iterator, model=model,
                                   num_microbatches=args.num_microbatches,
                                   seq_length=args.micro_batch_size * args.seq_length, micro_batch_size=1,
@@ -319,7 +324,8 @@ def _train(args: argparse.Namespace, signals: Any, started: float) -> List[Itera
                                  consumed_samples=iteration * args.global_batch_size,
                                  global_batch_size=args.global_batch_size,
                                  loss_scale=float(optimizer.get_loss_scale()), skipped=not update_ok,
-                                 tflops_per_gpu=None if flops is None else flops / (elapsed * 1e12 * args.world_size))
+                                 tflops_per_gpu=None if flops is None else flops / (elapsed * 1e12 * args.world_size),
+                                 host_offload_bytes=HostOffload.total_offloaded_bytes - offloaded_before)
         records.append(record)
         log.record(record)
         if valid_dataset is not None and iteration % args.eval_interval == 0:
