@@ -13,9 +13,15 @@ def _checkpointed_layers_body():
     """Three Megatron-checkpointed "layers" (``tensor_parallel.checkpoint``, as --recompute-granularity full):
     under ``HostOffload`` each saves its input on the host; gradients equal those without offload."""
     from megatron.core import tensor_parallel
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
     from megatron_hsap.megatron.activation_offload import saved_activations_on_host
+    from megatron_hsap.megatron.cpu_shim import apply_cpu_shim
+    from megatron_hsap.parallel_state import initialize_model_parallel
 
+    apply_cpu_shim()
+    initialize_model_parallel(context_parallel_size=1)
+    model_parallel_cuda_manual_seed(1)
     gen = torch.Generator().manual_seed(0)
     weights = [torch.nn.Parameter(torch.randn(64, 64, generator=gen) / 8) for _ in range(3)]
     x0 = torch.randn(256, 1, 64, generator=gen)

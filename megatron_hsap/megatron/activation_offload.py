@@ -54,6 +54,10 @@ class HostOffload(torch.autograd.graph.saved_tensors_hooks):
 
         super().__init__(pack, unpack)
 
+    def __enter__(self) -> "HostOffload":
+        super().__enter__()
+        return self
+
 
 def saved_activations_on_host(enabled: bool, device: torch.device) -> Any:
     """``HostOffload(device)`` when ``enabled``, else a context that does nothing."""
