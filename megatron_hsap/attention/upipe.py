@@ -213,7 +213,7 @@ class _Stages:
       kv     ``[slots, 2, P*t, D]`` E  KV heads kept from their first to their last stage
       k_attn/v_attn ``[P*t, A, D]`` E  only when one stage's attention takes A > 1 KV heads
     backward only:
-      pair   ``P * t * 2m * D``   E   the stage's output and output gradient after their all-to-all (m: this
+      pair   ``P * t * 2m * D``   E   the stage's output, then its gradient, after their all-to-alls (m: this
                                       rank's most query heads in one stage)
       dkv    ``[slots, 2, P*t, D]`` fp32  KV gradients summed over the stages sharing a KV head
       dw     ``P*w*D*hidden``     E   one stage's weight gradient (one GEMM), added into main_grad / dweight
@@ -375,18 +375,23 @@ def _backward(st: _Stages, output: torch.Tensor, grad: torch.Tensor, lses: List[
         for j in stage.new_kv[st.rank]:
             st.dkv[st.slot[j]].zero_()
         counts = [len(heads) for heads in stage.query_heads]
-        # per destination: the stage's output, then its gradient
-        for heads, block in zip(stage.query_heads, st.blocks(st.send, [2 * c for c in counts])):
+        # The output and its gradient in two all-to-alls, each into its own contiguous half of ``pair``:
+        # the kernels then read both without a copy (one all-to-all would interleave them per token).
+        half = t * sum(counts) * d
+        sends = (st.send[:half], st.send[half:2 * half])
+        for heads, out_block, grad_block in zip(stage.query_heads, *(st.blocks(x, counts) for x in sends)):
             if heads:
-                block[:, :len(heads)].copy_(output[:, heads[0]:heads[-1] + 1])
-                block[:, len(heads):].copy_(grad[:, heads[0]:heads[-1] + 1])
-        pair = st.a2a([2 * c for c in counts], [2 * m] * p, OP_OUT_BWD, st.send, st.pair).view(p * t, 2 * m, d)
+                out_block.copy_(output[:, heads[0]:heads[-1] + 1])
+                grad_block.copy_(grad[:, heads[0]:heads[-1] + 1])
+        received = p * t * m * d
+        out_m, dout_m = (st.a2a(counts, [m] * p, OP_OUT_BWD, send, st.pair[i * received:(i + 1) * received])
+                         .view(p * t, m, d) for i, send in enumerate(sends))
         k, v = st.attention_kv(stage)
         done = stage.done_kv[st.rank]
         c = len(done)
         grads = st.send[:p * t * (m + 2 * c) * d].view(p * t, m + 2 * c, d)  # dq, then dk/dv of KV heads done here
         attn_kv = stage.attn_kv[st.rank]
-        for (q0, q1, k0, _), dq, dk, dv in attend_runs_backward(pair[:, m:], q, k, v, pair[:, :m], lse,
+        for (q0, q1, k0, _), dq, dk, dv in attend_runs_backward(dout_m, q, k, v, out_m, lse,
                                                                 stage.runs[st.rank], st.member, st.topo,
                                                                 st.kernel, st.scale, st.shared_remote_kv(stage)):
             grads[:, q0:q1].copy_(dq)
@@ -394,7 +399,7 @@ def _backward(st: _Stages, output: torch.Tensor, grad: torch.Tensor, lses: List[
                 st.dkv[st.slot[attn_kv[k0 + i]], 0] += dk[:, i]
                 st.dkv[st.slot[attn_kv[k0 + i]], 1] += dv[:, i]
             del dq, dk, dv  # not alive into the next stage
-        del pair, q, k, v
+        del out_m, dout_m, q, k, v
         for i, j in enumerate(done):
             grads[:, m + i].copy_(st.dkv[st.slot[j], 0])
             grads[:, m + c + i].copy_(st.dkv[st.slot[j], 1])

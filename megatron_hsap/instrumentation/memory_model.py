@@ -185,7 +185,7 @@ def attention_block_bytes(model: ModelShape, par: Parallelism, train: Training, 
             + stages * m * big_t * f                 # per-stage lse
             + t * hidden * e                         # dx
             + 2 * t * d * e)                         # RoPE cos/sin
-    ring_acc = big_t * m * d * e                     # dout copy
+    ring_acc = 0  # out and dout arrive in contiguous buffers: no copy for a stage's one GQA run
     if ring > 1:  # several kernel calls per stage: the output and dq/dk/dv accumulate in fp32
         ring_acc += big_t * m * d * f + big_t * 2 * attn * d * f
     ring_recv = 0
