@@ -16,7 +16,7 @@ import sys
 from megatron_hsap.training.quiet import fallback_summary
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-ITERS = 50
+ITERS = 30
 
 
 def test_cpu_demo_trains_with_hsap_across_two_emulated_nodes(tmp_path):
