@@ -19,7 +19,11 @@ quiet_rank(int(os.environ.get("RANK", "0")))  # before anything imports Megatron
 
 from megatron_hsap.training import progress  # noqa: E402
 from megatron_hsap.training.arguments import parse_args  # noqa: E402
-from megatron_hsap.training.launch import launched_by_torchrun, spawn_local_ranks  # noqa: E402
+from megatron_hsap.training.launch import (  # noqa: E402
+    freeze_imported_objects,
+    launched_by_torchrun,
+    spawn_local_ranks,
+)
 
 
 def run_rank(args: argparse.Namespace) -> int:
@@ -28,6 +32,7 @@ def run_rank(args: argparse.Namespace) -> int:
     a collective's error)."""
     from megatron_hsap.training.loop import pretrain
 
+    freeze_imported_objects()  # torchrun ranks import here; forked ranks inherit the launcher's frozen objects
     try:
         pretrain(args)
     except BaseException as err:  # noqa: BLE001 - every failure is reported with its rank and position

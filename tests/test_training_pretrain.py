@@ -146,7 +146,9 @@ def test_interleaved_pipeline_matches_pp1(tmp_path, cache_dir):
     _assert_matches(records, ref)
 
 
-def test_resume_is_exact(tmp_path, cache_dir, reference):
+def test_resume_is_exact_and_reshards_to_another_cp_mode_and_size(tmp_path, cache_dir, reference):
+    """One checkpoint at iteration 2 (CP 1): resumed on the same layout every figure is bitwise equal to the
+    uninterrupted run; resumed at CP 4 hsap over 2 emulated nodes the losses continue within fp tolerance."""
     ckpt = str(tmp_path / "ckpt")
     first = _train(tmp_path, cache_dir, 1, "--save", ckpt, "--exit-interval", "2", name="first")
     assert [r["iteration"] for r in first] == [1, 2]
@@ -155,16 +157,10 @@ def test_resume_is_exact(tmp_path, cache_dir, reference):
     for r in first + resumed:
         expected = reference[r["iteration"] - 1]
         assert (r["loss"], r["grad_norm"], r["lr"]) == (expected["loss"], expected["grad_norm"], expected["lr"])
-
-
-def test_resume_with_other_cp_mode_and_size(tmp_path, cache_dir, reference):
-    ckpt = str(tmp_path / "ckpt")
-    _train(tmp_path, cache_dir, 2, "--context-parallel-size", "2", "--context-parallel-mode", "ring",
-           "--save", ckpt, "--exit-interval", "2", name="ring")
-    resumed = _train(tmp_path, cache_dir, 4, "--context-parallel-size", "4", "--context-parallel-mode", "hsap",
-                     "--ranks-per-node", "2", "--load", ckpt, name="hsap")
-    assert [r["iteration"] for r in resumed] == [3, 4]
-    _assert_matches(resumed, reference)
+    resharded = _train(tmp_path, cache_dir, 4, "--context-parallel-size", "4", "--context-parallel-mode", "hsap",
+                       "--ranks-per-node", "2", "--load", ckpt, name="hsap")
+    assert [r["iteration"] for r in resharded] == [3, 4]
+    _assert_matches(resharded, reference)
 
 
 def test_distributed_optimizer_resumes_under_other_layouts(tmp_path, cache_dir, reference):
