@@ -42,7 +42,8 @@ def run_rank(args: argparse.Namespace) -> int:
         where = f"rank {os.environ.get('RANK', '0')}, {progress.describe()}"
         if not isinstance(err, (ValueError, RuntimeError)):
             traceback.print_exc()
-        print(f"pretrain_gpt_hsap.py: error: {where}: {err}", file=sys.stderr, flush=True)
+        sys.stderr.flush()  # then the line in one write: the lines of several failing ranks never interleave
+        os.write(sys.stderr.fileno(), f"pretrain_gpt_hsap.py: error: {where}: {err}\n".encode())
         return 2 if isinstance(err, ValueError) else 1
     return 0
 
