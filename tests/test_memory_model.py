@@ -191,8 +191,9 @@ def test_model_components_within_5_percent():
 
 def test_llama3_8b_longest_context_on_one_node():
     """Llama3-8B on 8 x 80 GiB (cp 8 = one node, bf16, distributed optimizer, full recompute, hsap chunk defaults):
-    UPipe fits a longer context than Ulysses and ring, limited by the attention block (docs/upipe.md has the
-    table; the 6M target of the issue is not reached with layer checkpoints and fp32 gradients on the device)."""
+    UPipe fits a longer context than Ulysses and ring, limited by the attention block; with the layer checkpoints
+    in host memory (--offload-checkpointed-activations) and bf16 gradient buffers it fits >= 6M tokens
+    (docs/upipe.md has the tables)."""
     from megatron_hsap.instrumentation.memory_model import GiB, PRESETS, Parallelism, Training, max_context
 
     model, par = PRESETS["llama3-8b"], Parallelism(cp=8)
@@ -204,7 +205,7 @@ def test_llama3_8b_longest_context_on_one_node():
     assert fits["upipe"] >= 1.1 * max(fits["ulysses"], fits["ring"]), fits
     offload = max_context(model, 80 * GiB, par, Training(mlp_chunks=64, loss_chunks=128, recompute="offload",
                                                          grad_bytes=2), "upipe")
-    assert offload.tokens >= 3_500_000, offload.tokens
+    assert offload.tokens >= 6_000_000 and offload.limiting == "attention block", offload.tokens  # the issue's target
 
 
 def test_bad_arguments():
