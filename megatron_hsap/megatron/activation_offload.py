@@ -1,8 +1,8 @@
 """Layer checkpoints in host memory (activation offload, as DeepSpeed ALST's checkpoint offload).
 
 With full recompute (``--recompute-granularity full``) the forward keeps only each layer's input for the
-backward, but at millions of tokens per rank those inputs still dominate: layers x t x hidden x 2 bytes
-(32 x 8 KiB per token and rank for Llama3-8B, 21 GiB at 640K tokens per rank). ``HostOffload`` is a
+backward, but at long context those inputs still dominate: layers x t x hidden x 2 bytes (Llama3-8B:
+32 x 8 KiB per token and rank, 20 GiB at 80K tokens per rank, 160 GiB at 640K). ``HostOffload`` is a
 saved-tensor hook context: every activation the forward saves for backward on the compute device is copied
 to host memory (pinned on CUDA) when it is saved, and copied back when the backward needs it. The backward's
 recompute runs outside the context, so its activations stay on the device; the copy is synchronous, so one
