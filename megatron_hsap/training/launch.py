@@ -21,8 +21,8 @@ The parent is the run's watchdog, as torchrun's elastic agent is for GPU runs:
 from __future__ import annotations
 
 import argparse
-import gc
 import ctypes
+import gc
 import multiprocessing
 import os
 import signal
