@@ -37,6 +37,10 @@ class ContextParallelConfig:
     default (``sequence-aware`` for ``hsap``, ``zigzag`` otherwise).
     kernel: local attention kernel (``auto`` = TE, then flash-attn where CUDA is usable, else the
     fused CPU kernel ``cpu_fused``; ``torch`` = the pure-PyTorch reference kernel, any device).
+    kv_forwarding: node-level K/V forwarding for rings with several members on one node (pure ring,
+    or Ulysses groups smaller than a node): a remote key/value row that several members of a node need
+    crosses the node boundary once and is relayed inside the node (``PlanStats.recv_bytes_inter_forwarded``).
+    Costs intra-node traffic, and the relayed rows (and their gradients) are kept until the relays ran.
     """
 
     mode: str = "hybrid"
@@ -44,8 +48,11 @@ class ContextParallelConfig:
     head_chunk_size: Optional[int] = None
     layout: Optional[str] = None
     kernel: str = "auto"
+    kv_forwarding: bool = False
 
     def __post_init__(self) -> None:
+        if not isinstance(self.kv_forwarding, bool):
+            raise ValueError(f"kv_forwarding={self.kv_forwarding!r} is not supported; allowed values: False, True")
         _check_choice("mode", self.mode, MODES)
         _check_positive_or_none("ulysses_size", self.ulysses_size)
         _check_positive_or_none("head_chunk_size", self.head_chunk_size)

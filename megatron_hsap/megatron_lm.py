@@ -40,7 +40,7 @@ __all__ = ["HSAP_FLAGS", "add_hsap_args", "model_provider", "train_valid_test_da
 #: Flags ``add_hsap_args`` adds (Megatron-LM has none of them; its ``--context-parallel-size`` sets the CP size).
 HSAP_FLAGS = ("--context-parallel-mode", "--ulysses-size", "--head-chunk-size", "--cp-layout", "--attention-kernel",
               "--ranks-per-node", "--mlp-sequence-chunks", "--loss-sequence-chunks",
-              "--offload-checkpointed-activations")
+              "--offload-checkpointed-activations", "--cp-kv-forwarding")
 
 
 def add_hsap_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:

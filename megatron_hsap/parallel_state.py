@@ -95,6 +95,16 @@ class CPTopology:
         return any(len({self.node_of_cp_rank[c] for c in self.ring_member_ranks(m)}) > 1
                    for m in range(self.ring_size))
 
+    @property
+    def node_of_ring_member(self) -> Tuple[int, ...]:
+        """Node of each ring member (of its first CP rank)."""
+        return tuple(self.node_of_cp_rank[m * self.ulysses_size] for m in range(self.ring_size))
+
+    def ring_members_share_nodes(self) -> bool:
+        """Whether some node holds several ring members (where node-level K/V forwarding can save traffic)."""
+        nodes = self.node_of_ring_member
+        return len(set(nodes)) < len(nodes)
+
     def signature(self) -> Tuple[int, int, Tuple[int, ...]]:
         """What plans depend on (not the process groups): used as a cache key."""
         return (self.cp_size, self.ulysses_size, self.node_of_cp_rank)

@@ -48,3 +48,19 @@ def reference_errors(got: List[torch.Tensor], inputs: List[torch.Tensor], cu_seq
     ref.backward(dout)
     expected = [ref.detach()] + [x.grad for x in ref_in]
     return [((a - b).abs().max() / (b.abs().max() if relative else 1.0)).item() for a, b in zip(got, expected)]
+
+
+def bytes_match_plan(stats, measured, topology, kv_forwarding: bool) -> bool:
+    """Whether one forward's measured bytes (``CommStats``) are ``BatchPlan.stats``' prediction: this rank's
+    sent/received bytes intra and inter node; with node-level K/V forwarding, the inter-node bytes received
+    by all CP ranks (an all-reduce: call it on every rank) against ``recv_bytes_inter_forwarded``."""
+    import torch.distributed as dist
+
+    if kv_forwarding:
+        inter = torch.tensor([measured.recv_bytes_inter], dtype=torch.int64)
+        dist.all_reduce(inter, group=topology.cp_group)
+        return int(inter) == sum(stats.recv_bytes_inter_forwarded)
+    c = topology.cp_rank
+    return (stats.send_bytes_intra[c], stats.send_bytes_inter[c], stats.recv_bytes_intra[c],
+            stats.recv_bytes_inter[c]) == (measured.send_bytes_intra, measured.send_bytes_inter,
+                                           measured.recv_bytes_intra, measured.recv_bytes_inter)

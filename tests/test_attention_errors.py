@@ -96,6 +96,7 @@ def test_bad_parallel_sizes_raise_on_every_rank(kwargs, expected):
     (dict(mode="ring", ulysses_size=2), "not allowed with mode='ring'"),
     (dict(mode="ring", head_chunk_size=4), "head_chunk_size is only used"),
     (dict(ulysses_size=0), "ulysses_size=0 must be a positive int"),
+    (dict(kv_forwarding=1), "kv_forwarding=1 is not supported; allowed values: False, True"),
 ])
 def test_bad_config_is_rejected(kwargs, expected):
     with pytest.raises(ValueError, match=expected.replace("(", r"\(").replace(")", r"\)")):

@@ -18,7 +18,7 @@ from typing import Dict, List, Optional
 import pytest
 import torch
 
-from tests.cp_cases import local_attention_case
+from tests.cp_cases import bytes_match_plan, local_attention_case
 from tests.distributed import run_distributed
 from tests.reference import dense_attention, hard_cases
 
@@ -31,7 +31,8 @@ HEAD_DIMS = (64, 17)
 TOL = {torch.float64: 1e-10, torch.float32: 2e-5}
 
 
-def _run_cases(mode: str, ulysses_size: Optional[int], ranks_per_node: int, layouts: List[str]) -> Dict[str, float]:
+def _run_cases(mode: str, ulysses_size: Optional[int], ranks_per_node: int, layouts: List[str],
+               kv_forwarding: bool = False) -> Dict[str, float]:
     import torch.distributed as dist
 
     from megatron_hsap.config import ContextParallelConfig
@@ -42,7 +43,7 @@ def _run_cases(mode: str, ulysses_size: Optional[int], ranks_per_node: int, layo
     cp = dist.get_world_size()
     topo = initialize_model_parallel(context_parallel_size=cp, ranks_per_node=ranks_per_node,
                                      cp_config=ContextParallelConfig(mode=mode, ulysses_size=ulysses_size,
-                                                                     kernel="cpu_fused"))
+                                                                     kernel="cpu_fused", kv_forwarding=kv_forwarding))
     errors: Dict[str, float] = {}
     combos = itertools.cycle(itertools.product(HEAD_SHAPES[topo.ulysses_size], HEAD_DIMS, (True, False),
                                                (torch.float64, torch.float32)))
@@ -56,10 +57,7 @@ def _run_cases(mode: str, ulysses_size: Optional[int], ranks_per_node: int, layo
         padding_nonzero = max([t[~valid].abs().max().item() if (~valid).any() else 0.0 for t in local])
         stats = plan.stats(h_q, h_kv, d, dtype, causal=causal)
         c = topo.cp_rank
-        predicted = (stats.send_bytes_intra[c], stats.send_bytes_inter[c], stats.recv_bytes_intra[c],
-                     stats.recv_bytes_inter[c])
-        bytes_match = predicted == (measured.send_bytes_intra, measured.send_bytes_inter,
-                                    measured.recv_bytes_intra, measured.recv_bytes_inter)
+        bytes_match = bytes_match_plan(stats, measured, topo, kv_forwarding)
         globals_ = [plan.unshard(t) for t in local]
         key = f"{name}/{layout}/h{h_q}:{h_kv}/d{d}/{'causal' if causal else 'full'}/{str(dtype)[6:]}"
         if c == 0:
@@ -88,13 +86,18 @@ CONFIGS = [  # (world size, mode, ulysses size, ranks per node)
     (8, "ring", None, 4),
     (8, "ulysses", None, 4),  # all-to-all spanning the two emulated nodes
 ]
+# Node-level K/V forwarding: several ring members per node (pure ring of 4 per node over 2 nodes; Ulysses
+# pairs, 2 members per node over 2 nodes; 3 nodes of 2 ring members).
+FORWARDING_CONFIGS = [(8, "ring", None, 4), (8, "hybrid", 2, 4), (6, "ring", None, 2)]
 
 
-@pytest.mark.parametrize("world_size,mode,ulysses_size,ranks_per_node", CONFIGS,
-                         ids=[f"cp{w}-{m}-u{u}-rpn{r}" for w, m, u, r in CONFIGS])
-def test_matches_dense_reference(world_size, mode, ulysses_size, ranks_per_node):
+@pytest.mark.parametrize("world_size,mode,ulysses_size,ranks_per_node,kv_forwarding",
+                         [c + (False,) for c in CONFIGS] + [c + (True,) for c in FORWARDING_CONFIGS],
+                         ids=[f"cp{w}-{m}-u{u}-rpn{r}" for w, m, u, r in CONFIGS]
+                         + [f"cp{w}-{m}-u{u}-rpn{r}-kv_forwarding" for w, m, u, r in FORWARDING_CONFIGS])
+def test_matches_dense_reference(world_size, mode, ulysses_size, ranks_per_node, kv_forwarding):
     results = run_distributed(_run_cases, world_size, mode, ulysses_size, ranks_per_node, list(LAYOUTS),
-                              timeout=600)
+                              kv_forwarding, timeout=600)
     checked = [k for k in results[0] if not k.endswith(("/padding", "/bytes"))]
     assert len(checked) == len(hard_cases(world_size)) * len(LAYOUTS)
     over_tolerance = {k: v for k, v in results[0].items() if k in checked and not v <= 1.0}

@@ -42,7 +42,8 @@ def test_workers_match_p2p_messages_in_posting_order_like_nccl():
     assert run_distributed(_posting_order_matching, 2)[1] == [1.0, 2.0]
 
 
-def _attend(lengths, mode, ulysses_size, ranks_per_node, layout, h_q, h_kv, d, dtype, trace=False):
+def _attend(lengths, mode, ulysses_size, ranks_per_node, layout, h_q, h_kv, d, dtype, trace=False,
+            kv_forwarding=False):
     """Run one forward+backward; returns (rank-0 errors vs fp64 reference or None, this rank's trace)."""
     import torch.distributed as dist
 
@@ -54,7 +55,7 @@ def _attend(lengths, mode, ulysses_size, ranks_per_node, layout, h_q, h_kv, d, d
 
     topo = initialize_model_parallel(context_parallel_size=dist.get_world_size(), ranks_per_node=ranks_per_node,
                                      cp_config=ContextParallelConfig(mode=mode, ulysses_size=ulysses_size,
-                                                                     kernel="cpu_fused"))
+                                                                     kernel="cpu_fused", kv_forwarding=kv_forwarding))
     cu = cu_seqlens_from_lengths(lengths)
     with record_trace() as events:
         got, inputs = attention_case(plan_batch(cu, topo, layout), h_q, h_kv, d, dtype, True, 7)
@@ -187,12 +188,13 @@ def _bf16_upipe() -> List[float]:
 BF16_TOL = 0.03
 
 
-@pytest.mark.parametrize("world_size,mode,ulysses_size,layout", [(4, "ring", None, "sequence-aware"),
-                                                                  (4, "hybrid", 2, "zigzag")])
-def test_bf16_matches_fp64_reference(world_size, mode, ulysses_size, layout):
+@pytest.mark.parametrize("world_size,mode,ulysses_size,layout,kv_forwarding",
+                         [(4, "ring", None, "sequence-aware", False), (4, "hybrid", 2, "zigzag", False),
+                          (4, "ring", None, "zigzag", True)])  # 2 ranks per node: forwarding acts
+def test_bf16_matches_fp64_reference(world_size, mode, ulysses_size, layout, kv_forwarding):
     lengths = [100, 1, 0, 37, 90]
     results = run_distributed(_attend, world_size, lengths, mode, ulysses_size, 2, layout, 8, 2, 16,
-                              torch.bfloat16, timeout=180)
+                              torch.bfloat16, False, kv_forwarding, timeout=180)
     errors = results[0][0]
     assert max(errors) < BF16_TOL, errors
     assert max(errors) > 1e-4, "bf16 rounding must be visible, else the run was not in bf16"

@@ -27,7 +27,7 @@ WINDOWS = [((5, 0), True), ((SHARD + 3, -1), True), ((500, 0), True), ((7, 11), 
 TOL = {torch.float64: 1e-10, torch.float32: 2e-5}
 
 
-def _windowed_cases(mode: str, ulysses_size: Optional[int]) -> Dict[str, float]:
+def _windowed_cases(mode: str, ulysses_size: Optional[int], kv_forwarding: bool = False) -> Dict[str, float]:
     import torch.distributed as dist
 
     from megatron_hsap.attention import context_parallel_attention
@@ -36,11 +36,11 @@ def _windowed_cases(mode: str, ulysses_size: Optional[int]) -> Dict[str, float]:
     from megatron_hsap.parallel_state import initialize_model_parallel
     from megatron_hsap.sequence.doc_lengths import cu_seqlens_from_lengths
     from megatron_hsap.sequence.plan import plan_batch
-    from tests.cp_cases import reference_errors
+    from tests.cp_cases import bytes_match_plan, reference_errors
 
     topo = initialize_model_parallel(context_parallel_size=dist.get_world_size(), ranks_per_node=2,
                                      cp_config=ContextParallelConfig(mode=mode, ulysses_size=ulysses_size,
-                                                                     kernel="cpu_fused"))
+                                                                     kernel="cpu_fused", kv_forwarding=kv_forwarding))
     results: Dict[str, float] = {}
     dtypes = itertools.cycle((torch.float64, torch.float64, torch.float32))
     cases = itertools.product(DOCS.items(), ("zigzag", "sequence-aware"), WINDOWS)
@@ -59,11 +59,7 @@ def _windowed_cases(mode: str, ulysses_size: Optional[int]) -> Dict[str, float]:
         key = f"{name}/{layout}/{window}/{'causal' if causal else 'full'}/{str(dtype)[6:]}"
         results[key] = max(reference_errors(got, [q, k, v, dout], cu, causal, window_size=window)) / TOL[dtype]
         stats = plan.stats(8, 4, 16, dtype, causal=causal, window_size=window)
-        c = topo.cp_rank
-        predicted = (stats.send_bytes_intra[c], stats.send_bytes_inter[c], stats.recv_bytes_intra[c],
-                     stats.recv_bytes_inter[c])
-        results[key + "/bytes"] = float(predicted != (measured.send_bytes_intra, measured.send_bytes_inter,
-                                                      measured.recv_bytes_intra, measured.recv_bytes_inter))
+        results[key + "/bytes"] = float(not bytes_match_plan(stats, measured, topo, kv_forwarding))
     if mode == "hybrid":
         results.update(_head_chunked_case(topo))
     return results
@@ -97,12 +93,14 @@ def _head_chunked_case(topo) -> Dict[str, float]:
     return {"head_chunked/out_and_dx": max(errors) / TOL[torch.float64]}
 
 
-CONFIGS = [("ring", None), ("ulysses", None), ("hybrid", 2)]
+# (mode, Ulysses size, node-level K/V forwarding); 2 ranks per node: the ring of 4 has 2 members per node.
+CONFIGS = [("ring", None, False), ("ulysses", None, False), ("hybrid", 2, False), ("ring", None, True)]
 
 
-@pytest.mark.parametrize("mode,ulysses_size", CONFIGS, ids=[m for m, _ in CONFIGS])
-def test_windowed_attention_matches_dense_reference(mode, ulysses_size):
-    results = run_distributed(_windowed_cases, 4, mode, ulysses_size, timeout=300)
+@pytest.mark.parametrize("mode,ulysses_size,kv_forwarding", CONFIGS,
+                         ids=[m + ("-kv_forwarding" if f else "") for m, _, f in CONFIGS])
+def test_windowed_attention_matches_dense_reference(mode, ulysses_size, kv_forwarding):
+    results = run_distributed(_windowed_cases, 4, mode, ulysses_size, kv_forwarding, timeout=300)
     checked = [k for k in results[0] if not k.endswith("/bytes")]
     assert len(checked) == len(DOCS) * 2 * len(WINDOWS) + (mode == "hybrid")
     for rank, rank_results in enumerate(results):

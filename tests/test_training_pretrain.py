@@ -108,6 +108,8 @@ def test_reference_trains(reference):
                      "--cp-layout", "sequence-aware"], id="ulysses-seqaware-cp2"),
     pytest.param(4, ["--context-parallel-size", "4", "--context-parallel-mode", "hybrid", "--ranks-per-node", "2",
                      "--cp-layout", "zigzag"], id="hybrid-zigzag-cp4-2nodes"),
+    pytest.param(4, ["--context-parallel-size", "4", "--context-parallel-mode", "ring", "--ranks-per-node", "2",
+                     "--cp-layout", "zigzag", "--cp-kv-forwarding"], id="ring-zigzag-cp4-2nodes-kv-forwarding"),
     pytest.param(4, ["--context-parallel-size", "4", "--context-parallel-mode", "hsap", "--ranks-per-node", "2",
                      "--head-chunk-size", "2", "--recompute-granularity", "full",
                      "--offload-checkpointed-activations"], id="hsap-headchunks-seqaware-cp4-2nodes-offload"),
@@ -122,6 +124,8 @@ def test_cp_matches_cp1(tmp_path, cache_dir, reference_run, nproc, flags):
     assert all(r["cp_bytes_intra"] + r["cp_bytes_inter"] > 0 for r in records), "CP moved no bytes"
     if "--head-chunk-size" in flags:  # the fused per-head-chunk (UPipe) path did the all-to-alls
         assert all(r["cp_bytes_by_op"].get("upipe_qkv", 0) > 0 for r in records), records[0]["cp_bytes_by_op"]
+    if "--cp-kv-forwarding" in flags:  # rows from the other node were relayed inside the node
+        assert all(r["cp_bytes_by_op"].get("ring_kv_relay", 0) > 0 for r in records), records[0]["cp_bytes_by_op"]
     if "--offload-checkpointed-activations" in flags:  # each layer's fp32 input [t_local, hidden] went to the host
         from megatron_hsap.training.arguments import build_parser
 

@@ -115,6 +115,7 @@ def upipe_case(plan, seed: int, h: int, h_kv: int, u: Optional[int], tp: int, dt
         ring = [_ring_bytes(predicted_stage_comm(sch, plan, HEAD_DIM, dtype)) for sch in (schedule, one_stage)]
         result["ring"] = 0.0 if ring[0] == ring[1] else 1e9
         result["ring_bytes"] = float(sum(ring[0].values()))
+        result["relay_bytes"] = float(sum(n for (op, _), n in ring[0].items() if "relay" in op))
     d_weight = torch.cat([w.grad for w, _ in shards])
     d_bias = torch.cat([b.grad for _, b in shards])
     dist.all_reduce(d_weight)
@@ -129,8 +130,8 @@ def upipe_case(plan, seed: int, h: int, h_kv: int, u: Optional[int], tp: int, dt
     return result
 
 
-def _run_cases(mode: str, ulysses_size: int, ranks_per_node: int,
-               cases: List[Tuple]) -> Dict[str, float]:
+def _run_cases(mode: str, ulysses_size: int, ranks_per_node: int, cases: List[Tuple],
+               kv_forwarding: bool = False) -> Dict[str, float]:
     """cases: (H, H_kv, U or None for the config default, tp, hard case name[, dtype (default float64)]).
 
     Returns {case: error / TOL[dtype]} (rank 0) and per-rank bytes/padding flags (0.0 = fine)."""
@@ -145,8 +146,9 @@ def _run_cases(mode: str, ulysses_size: int, ranks_per_node: int,
     cp = dist.get_world_size()
     topo = initialize_model_parallel(context_parallel_size=cp, ranks_per_node=ranks_per_node,
                                      cp_config=ContextParallelConfig(mode=mode, ulysses_size=ulysses_size,
-                                                                     kernel="cpu_fused"))
+                                                                     kernel="cpu_fused", kv_forwarding=kv_forwarding))
     assert topo.ulysses_size == ulysses_size
+    assert topo.ring_members_share_nodes() or not kv_forwarding
     results: Dict[str, float] = {}
     layouts = itertools.cycle(("zigzag", "sequence-aware", "contiguous"))
     for i, (h, h_kv, u, tp, name, *rest) in enumerate(cases):
@@ -179,19 +181,27 @@ CASES_P8 = [(64, 16, 8, 1, "crosses_all_boundaries"), (64, 16, 16, 2, "long_tail
 CASES_P4_RING2 = [(16, 4, None, 1, "crosses_several_boundaries"), (32, 8, 8, 2, "long_tail_sampled"),
                   (16, 2, 4, 2, "one_long_many_short"), (16, 1, 8, 1, "crosses_all_boundaries")]
 
-LAUNCHES = [  # (world size, mode, Ulysses size, ranks per node, cases)
-    (4, "ulysses", 4, 4, CASES_P4),
-    (4, "hybrid", 2, 2, CASES_P2),           # Ulysses 2 inside a node, ring 2 across
-    (8, "ulysses", 8, 8, CASES_P8),
-    (8, "hsap", 4, 4, CASES_P4_RING2),       # Ulysses 4 inside a node, ring 2 across
+# Node-level K/V forwarding with head chunks: 2 nodes x 2 ring members (Ulysses pairs); relayed rows kept
+# across stages like received ones (some stages bring no new KV head, some finish none).
+CASES_P2_FORWARDING = [(12, 4, 2, 1, "long_tail_sampled"), (12, 4, 6, 1, "crosses_all_boundaries"),
+                       (12, 4, 12, 1, "one_long_many_short"), (16, 2, 4, 2, "crosses_several_boundaries"),
+                       (12, 4, 2, 1, "long_tail_sampled", torch.float32)]
+
+LAUNCHES = [  # (world size, mode, Ulysses size, ranks per node, cases, node-level K/V forwarding)
+    (4, "ulysses", 4, 4, CASES_P4, False),
+    (4, "hybrid", 2, 2, CASES_P2, False),           # Ulysses 2 inside a node, ring 2 across
+    (8, "ulysses", 8, 8, CASES_P8, False),
+    (8, "hsap", 4, 4, CASES_P4_RING2, False),       # Ulysses 4 inside a node, ring 2 across
+    (8, "hsap", 2, 4, CASES_P2_FORWARDING, True),   # Ulysses 2, ring of 4 over 2 nodes, forwarding
 ]
 
 
-@pytest.mark.parametrize("world_size,mode,ulysses_size,ranks_per_node,cases", LAUNCHES,
-                         ids=[f"cp{w}-{m}-u{u}" for w, m, u, _, _ in LAUNCHES])
-def test_matches_dense_multi_head_attention(world_size, mode, ulysses_size, ranks_per_node, cases):
-    results = run_distributed(_run_cases, world_size, mode, ulysses_size, ranks_per_node, cases, timeout=600)
-    checked = [k for k in results[0] if not k.endswith(("/bytes", "/padding", "/ring", "/ring_bytes"))]
+@pytest.mark.parametrize("world_size,mode,ulysses_size,ranks_per_node,cases,kv_forwarding", LAUNCHES,
+                         ids=[f"cp{w}-{m}-u{u}" + ("-kv_forwarding" if f else "") for w, m, u, _, _, f in LAUNCHES])
+def test_matches_dense_multi_head_attention(world_size, mode, ulysses_size, ranks_per_node, cases, kv_forwarding):
+    results = run_distributed(_run_cases, world_size, mode, ulysses_size, ranks_per_node, cases, kv_forwarding,
+                              timeout=600)
+    checked = [k for k in results[0] if not k.endswith(("/bytes", "/padding", "/ring", "/ring_bytes", "/relay_bytes"))]
     assert len(checked) == len(cases)
     bad = {k: v for k, v in results[0].items() if k in checked and not v <= 1.0}
     assert not bad, f"output/input grad/weight grad/bias grad error over {TOL}, as multiples of the dtype's: {bad}"
@@ -201,6 +211,8 @@ def test_matches_dense_multi_head_attention(world_size, mode, ulysses_size, rank
                             f"move more ring bytes than one stage of all heads: {broken}")
     if mode in ("hybrid", "hsap"):  # the ring comparison ran and had bytes to compare
         assert sum(v for res in results for k, v in res.items() if k.endswith("/ring_bytes")) > 0
+    if kv_forwarding:  # rows were relayed inside the nodes
+        assert sum(v for res in results for k, v in res.items() if k.endswith("/relay_bytes")) > 0
 
 
 def test_kv_sent_once_per_group():

@@ -10,7 +10,8 @@ block-diagonal causal mask for packed batches) and the time ratio is printed: De
 ``DistributedAttention`` where DeepSpeed is installed, else the same algorithm written here
 (``_UlyssesAllToAll``: DeepSpeed's all-to-all, SDPA, the all-to-all back; labelled as such).
 --window N runs every mode with a causal sliding window of N tokens, and the ring key/value bytes
-of the plan (``BatchPlan.stats``) are printed with and without it.
+of the plan (``BatchPlan.stats``) are printed with and without it. --kv-forwarding turns on node-level
+K/V forwarding (compare the inter-node bytes with and without it).
 
     python tools/bench_attention.py --ranks 4 --ranks-per-node 2 --seq-len 4096 --docs buckets
 """
@@ -74,7 +75,8 @@ def _bench_mode(args, mode: str, lengths: List[int]) -> Dict[str, float]:
     ulysses = args.ulysses_size if mode in ("hybrid", "hsap") else None
     topo = initialize_model_parallel(context_parallel_size=world, ranks_per_node=args.ranks_per_node,
                                      cp_config=ContextParallelConfig(mode=mode, ulysses_size=ulysses,
-                                                                     kernel=args.kernel))
+                                                                     kernel=args.kernel,
+                                                                     kv_forwarding=args.kv_forwarding))
     dtype = DTYPES[args.dtype]
     try:
         plan = plan_batch(cu_seqlens_from_lengths(lengths), topo, args.layout)
@@ -236,6 +238,9 @@ def main(argv: Optional[List[str]] = None) -> None:
                         help="also time DeepSpeed-Ulysses wrapping SDPA (DeepSpeed's own where installed)")
     parser.add_argument("--window", type=int, default=0,
                         help="causal sliding window of this many tokens (0: none); ring bytes are printed either way")
+    parser.add_argument("--kv-forwarding", action="store_true",
+                        help="node-level K/V forwarding (ContextParallelConfig.kv_forwarding): acts where a node holds "
+                             "several ring members (ring mode, or --ulysses-size below --ranks-per-node)")
     args = parser.parse_args(argv)
     args.modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     for mode in args.modes:
@@ -266,7 +271,8 @@ def main(argv: Optional[List[str]] = None) -> None:
     print(f"# {args.ranks} ranks ({args.ranks_per_node} per node), seq {args.seq_len} ({len(lengths)} docs, "
           f"{args.docs}), heads {args.heads}/{args.kv_heads} x {args.head_dim}, {args.dtype}, layout {args.layout}, "
           f"{args.threads} thread(s)/rank, kernel {get_kernel(args.kernel).name}, median of {args.repeats}"
-          + (f", causal window {args.window}" if args.window else ""))
+          + (f", causal window {args.window}" if args.window else "")
+          + (", node-level K/V forwarding" if args.kv_forwarding else ""))
     print(f"{'mode':8} {'rank':>4} {'U':>2} {'fwd+bwd s':>10} {'cpu s':>7} {'intra MB':>9} {'inter MB':>9} "
           f"{'peak MB':>8} {'pad':>5} {'max err':>9}")
     for mode in args.modes:
@@ -275,6 +281,8 @@ def main(argv: Optional[List[str]] = None) -> None:
             print(f"{mode:8} {rank:>4} {r['ulysses']:>2} {r['time_s']:>10.3f} {r['cpu_s']:>7.3f} "
                   f"{r['send_intra_MB']:>9.2f} {r['send_inter_MB']:>9.2f} {r['peak_MB']:>8.1f} {r['padding']:>5} "
                   f"{r['max_err']:>9.1e}")
+        intra, inter = (sum(results[mode][key] for _, results, _ in rows) for key in ("send_intra_MB", "send_inter_MB"))
+        print(f"{mode:8} all ranks: intra {intra:.2f} MB, inter {inter:.2f} MB")
     ds_times = [ds for _, _, ds in rows]
     if all(t is not None for t in ds_times):
         ds_wall, ds_cpu = (max(t[i] for t in ds_times) for i in (0, 1))

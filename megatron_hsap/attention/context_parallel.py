@@ -243,7 +243,7 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
         _fail_with_peers(error)
     fields = {"cu_seqlens": plan.doc_lengths, "layout": plan.layout, "topology": topo.signature(),
               "causal": bool(causal), "softmax_scale": softmax_scale, "kernel": topo.config.kernel,
-              "window_size": window}
+              "window_size": window, "kv_forwarding": topo.config.kv_forwarding}
     if error is None:
         fields.update(q_shape=tuple(q.shape[1:]), kv_shape=tuple(k.shape[1:]), dtype=str(q.dtype),
                       tokens_per_rank=q.shape[0])
@@ -251,5 +251,5 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     agree_across_cp_ranks(topo, fields, error, device, plan.verified_signatures)
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[2])
     kernel = get_kernel(topo.config.kernel)
-    schedule = plan.member_schedule(causal, window_size=window)
+    schedule = plan.member_schedule(causal, window_size=window, kv_forwarding=topo.config.kv_forwarding)
     return _ContextParallelAttention.apply(q, k, v, schedule, topo, kernel, scale, heads)

@@ -34,7 +34,7 @@ import torch.distributed as dist
 
 from megatron_hsap.attention.context_parallel import attend_runs, attend_runs_backward, check_device_matches_backend
 from megatron_hsap.attention.head_schedule import HeadSchedule, Stage, build_head_schedule
-from megatron_hsap.attention.ring import SharedRemoteKeyValues
+from megatron_hsap.attention.ring import OP_DKV_RELAY, OP_KV_RELAY, OP_KV_RELAY_BWD, SharedRemoteKeyValues
 from megatron_hsap.collectives import all_to_all_member
 from megatron_hsap.instrumentation.comm import CommStats, comm_stats
 from megatron_hsap.kernels import get_kernel
@@ -125,7 +125,7 @@ def predicted_stage_comm(schedule: HeadSchedule, plan: BatchPlan, head_dim: int,
     me, u = topo.cp_rank, topo.ulysses_rank
     elem = torch.empty((), dtype=dtype).element_size()
     t = plan.tokens_per_rank
-    member = plan.member_schedule(causal, window_size=window_size)
+    member = plan.member_schedule(causal, window_size=window_size, kv_forwarding=topo.config.kv_forwarding)
     peers = [c for c in topo.ring_member_ranks(topo.ring_rank) if c != me]
 
     def where(peer: int) -> str:
@@ -150,6 +150,12 @@ def predicted_stage_comm(schedule: HeadSchedule, plan: BatchPlan, head_dim: int,
                 bwd[("ring_kv_bwd", where(peer))] += send.rows.num_rows * row_bytes
             if recv is not None:
                 bwd[("ring_dkv", where(recv.src_member * topo.ulysses_size + u))] += recv.num_rows * grad_row_bytes
+        for send in member.relay_sends:  # node-level K/V forwarding (ring.py's _Relays)
+            peer = send.dst_member * topo.ulysses_size + u
+            fwd[(OP_KV_RELAY, where(peer))] += send.num_rows * row_bytes
+            bwd[(OP_KV_RELAY_BWD, where(peer))] += send.num_rows * row_bytes
+        for recv in member.relay_recvs:
+            bwd[(OP_DKV_RELAY, where(recv.src_member * topo.ulysses_size + u))] += recv.num_rows * grad_row_bytes
         out.append(({k: v for k, v in fwd.items() if v}, {k: v for k, v in bwd.items() if v}))
     return out
 
@@ -225,7 +231,7 @@ class _Stages:
         self.x, self.weight, self.bias = x, weight, bias  # x [t_local, hidden]
         self.topo, self.schedule = plan.topology, schedule
         self.d, self.rope, self.scale = head_dim, rope, scale
-        self.member = plan.member_schedule(causal, window_size=window)
+        self.member = plan.member_schedule(causal, window_size=window, kv_forwarding=self.topo.config.kv_forwarding)
         self.kernel = get_kernel(self.topo.config.kernel)
         self.rank = self.topo.ulysses_rank
         self.plan = _rank_plan(schedule, self.rank, head_dim)

@@ -54,9 +54,11 @@ class PlanStats:
     ``recv_bytes_inter_forwarded``: indexed by node, in increasing node id).
 
     ``recv_bytes_inter`` counts a remote key/value row once per receiving ring member (what the ring
-    moves today); ``recv_bytes_inter_forwarded`` once per receiving node: what node-level K/V forwarding
-    (a row needed by several members of a node crosses the node boundary once, then is shared inside the
-    node) would move. The two are equal when a node holds one ring member (Ulysses over the node).
+    moves without forwarding; the other per-rank fields are also without it); ``recv_bytes_inter_forwarded``
+    once per receiving node: what the ring moves with node-level K/V forwarding
+    (``ContextParallelConfig.kv_forwarding``: a row needed by several members of a node crosses the node
+    boundary once, then is relayed inside the node). The two are equal when a node holds one ring member
+    (Ulysses over the node).
     """
 
     tokens: List[int]
@@ -99,7 +101,7 @@ class _PlanData:
     ulysses_size: int
     table: np.ndarray
     tokens_per_rank: int
-    schedules: Dict[Tuple[int, bool, Window], MemberSchedule] = field(default_factory=dict)
+    schedules: Dict[Tuple[int, bool, Window, Optional[Tuple[int, ...]]], MemberSchedule] = field(default_factory=dict)
     tables: Optional[List[np.ndarray]] = None
     _segments: Optional[Tuple[Tuple[Segment, ...], ...]] = None
     _pieces: Optional[List[Dict[int, List[Piece]]]] = None
@@ -116,12 +118,13 @@ class _PlanData:
             self._pieces = member_pieces(self.rank_segments, self.tokens_per_rank, self.ulysses_size)
         return self._pieces
 
-    def schedule(self, member: int, causal: bool, window: Window) -> MemberSchedule:
-        key = (member, causal, window)
+    def schedule(self, member: int, causal: bool, window: Window,
+                 node_of_member: Optional[Tuple[int, ...]] = None) -> MemberSchedule:
+        key = (member, causal, window, node_of_member)
         if key not in self.schedules:
             if self.tables is None:
                 self.tables = piece_tables(self.pieces)
-            self.schedules[key] = build_member_schedule(self.tables, member, causal, window)
+            self.schedules[key] = build_member_schedule(self.tables, member, causal, window, node_of_member)
         return self.schedules[key]
 
 
@@ -341,13 +344,18 @@ class BatchPlan:
 
     # ---- attention schedule ------------------------------------------------------------------
     def member_schedule(self, causal: bool, member: Optional[int] = None,
-                        window_size: Optional[Tuple[int, int]] = None) -> MemberSchedule:
+                        window_size: Optional[Tuple[int, int]] = None,
+                        kv_forwarding: bool = False) -> MemberSchedule:
         """What ring member ``member`` (default: this rank's) computes and exchanges; ``window_size`` as in
-        ``context_parallel_attention`` (cached per (causal, window))."""
+        ``context_parallel_attention`` (cached per (causal, window, forwarding)). ``kv_forwarding``:
+        node-level K/V forwarding (``ContextParallelConfig.kv_forwarding``); a remote row needed by several
+        members of a node crosses the node boundary once (``PlanStats.recv_bytes_inter_forwarded``)."""
         member = self.topology.ring_rank if member is None else member
         if member is None:
             raise ValueError("this plan's topology is offline: pass member= explicitly")
-        return self._data.schedule(member, bool(causal), normalize_window(window_size, bool(causal)))
+        forwarding = kv_forwarding and self.topology.ring_members_share_nodes()
+        return self._data.schedule(member, bool(causal), normalize_window(window_size, bool(causal)),
+                                   self.topology.node_of_ring_member if forwarding else None)
 
     # ---- predicted statistics ---------------------------------------------------------------
     def stats(self, num_heads_q: int, num_heads_kv: int, head_dim: int, dtype: torch.dtype = torch.bfloat16,
@@ -411,7 +419,7 @@ class BatchPlan:
         # With forwarding a node receives, from each remote member, the rows any of its members needs:
         # the node's pieces of a document taken together, causal limit = the latest query of any member.
         row_bytes = 2 * sum(kv_heads) * head_dim * elem  # every Ulysses rank's KV heads of one row
-        node_of_member = [topo.node_of_cp_rank[m * ulysses] for m in range(ring)]
+        node_of_member = topo.node_of_ring_member
         nodes = sorted(set(node_of_member))
         forwarded = []
         for node in nodes:

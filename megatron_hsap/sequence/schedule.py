@@ -106,6 +106,8 @@ class RecvStep:
     src_member: int
     num_rows: int            # rows of the receive buffer (key/value tokens)
     blocks: AttentionBlocks  # queries of this member vs the receive buffer
+    #: The rows' gradients go back after the node-level forwarding (their relayed copies' gradients join them).
+    deferred: bool = False
 
 
 @dataclass(frozen=True)
@@ -113,15 +115,42 @@ class SendStep:
     distance: int
     dst_member: int
     rows: RowRanges          # rows of this member's buffer that dst needs
+    deferred: bool = False   # the gradients of these rows come back after the forwarding (see RecvStep)
+
+
+@dataclass(frozen=True)
+class RelaySend:
+    """Node-level K/V forwarding: rows this member received from other nodes, passed on to ``dst_member``
+    (a ring member of the same node) as one message: ``parts`` = (ring distance at which the rows were
+    received, their rows in that receive buffer), concatenated in order."""
+
+    distance: int
+    dst_member: int
+    parts: Tuple[Tuple[int, RowRanges], ...]
+
+    @property
+    def num_rows(self) -> int:
+        return sum(rows.num_rows for _, rows in self.parts)
 
 
 @dataclass(frozen=True)
 class MemberSchedule:
-    """Everything one ring member does in one attention call (forward and backward)."""
+    """Everything one ring member does in one attention call (forward and backward).
+
+    With node-level K/V forwarding, ``relay_sends`` / ``relay_recvs`` (``RecvStep``s whose ``src_member`` is
+    the relaying member of this node) run after the ring distances, in increasing distance."""
 
     local_blocks: AttentionBlocks
     recv_steps: Tuple[RecvStep, ...]
     send_steps: Tuple[SendStep, ...]
+    relay_sends: Tuple[RelaySend, ...] = ()
+    relay_recvs: Tuple[RecvStep, ...] = ()
+
+    @property
+    def forwarding(self) -> bool:
+        """Whether this member takes part in node-level forwarding (then some returns are deferred)."""
+        return bool(self.relay_sends or self.relay_recvs) or any(
+            step.deferred for step in self.recv_steps + self.send_steps)
 
     def steps(self) -> List[Tuple[int, "RecvStep | None", "SendStep | None"]]:
         """(distance, recv, send) for every distance where this member has something to do."""
@@ -131,7 +160,7 @@ class MemberSchedule:
 
     @property
     def area(self) -> int:
-        return self.local_blocks.area() + sum(r.blocks.area() for r in self.recv_steps)
+        return self.local_blocks.area() + sum(r.blocks.area() for r in self.recv_steps + self.relay_recvs)
 
 
 def member_pieces(rank_segments: Sequence[Sequence[Segment]], tokens_per_rank: int,
@@ -268,24 +297,175 @@ def _needed_rows(blocks: np.ndarray) -> Tuple[RowRanges, np.ndarray]:
     return RowRanges(ranges), packed_starts[which] - range_starts[which]
 
 
-def build_member_schedule(tables: Sequence[np.ndarray], member: int, causal: bool,
-                          window: Window = None) -> MemberSchedule:
+def build_member_schedule(tables: Sequence[np.ndarray], member: int, causal: bool, window: Window = None,
+                          node_of_member: Optional[Sequence[int]] = None) -> MemberSchedule:
     """The schedule of one member (piece tables of every member, see ``piece_tables``): local blocks,
-    what it receives and what it sends, per ring distance; ``window`` from ``normalize_window``."""
+    what it receives and what it sends, per ring distance; ``window`` from ``normalize_window``.
+
+    ``node_of_member`` (node of each ring member) turns on node-level K/V forwarding
+    (``_NodeForwarding``): a remote member's rows needed by several members of a node cross the
+    node boundary once, to one of them, which relays them to the others."""
     ring_size = len(tables)
     mine = tables[member]
     local = _to_blocks(_pair_blocks_for(mine, mine, causal, window))
+    relay = None if node_of_member is None else _NodeForwarding(tables, node_of_member, causal, window)
     recv_steps, send_steps = [], []
     for distance in range(1, ring_size):
         src = (member - distance) % ring_size
-        blocks = _pair_blocks_for(mine, tables[src], causal, window)
-        if len(blocks):
-            rows, shift = _needed_rows(blocks)
-            blocks[:, 2] += shift
-            blocks[:, 3] += shift
-            recv_steps.append(RecvStep(distance, src, rows.num_rows, _to_blocks(blocks)))
+        if relay is not None and relay.forwarded(member, src):
+            rows = relay.assigned(member, src)
+            if rows.any():
+                table = relay.rows_table([(src, rows)])
+                recv_steps.append(RecvStep(distance, src, int(rows.sum()),
+                                           _to_blocks(_pair_blocks_for(mine, table, causal, window)),
+                                           deferred=relay.relays_from(member, src)))
+        else:
+            blocks = _pair_blocks_for(mine, tables[src], causal, window)
+            if len(blocks):
+                rows, shift = _needed_rows(blocks)
+                blocks[:, 2] += shift
+                blocks[:, 3] += shift
+                recv_steps.append(RecvStep(distance, src, rows.num_rows, _to_blocks(blocks)))
         dst = (member + distance) % ring_size
-        blocks = _pair_blocks_for(tables[dst], mine, causal, window)
-        if len(blocks):
-            send_steps.append(SendStep(distance, dst, _needed_rows(blocks)[0]))
-    return MemberSchedule(local, tuple(recv_steps), tuple(send_steps))
+        if relay is not None and relay.forwarded(dst, member):
+            rows = relay.assigned(dst, member)
+            if rows.any():
+                send_steps.append(SendStep(distance, dst, RowRanges(_mask_ranges(rows)),
+                                           deferred=relay.relays_from(dst, member)))
+        else:
+            blocks = _pair_blocks_for(tables[dst], mine, causal, window)
+            if len(blocks):
+                send_steps.append(SendStep(distance, dst, _needed_rows(blocks)[0]))
+    if relay is None:
+        return MemberSchedule(local, tuple(recv_steps), tuple(send_steps))
+    relay_sends, relay_recvs = [], []
+    for distance in range(1, ring_size):
+        dst, src = (member + distance) % ring_size, (member - distance) % ring_size
+        if node_of_member[dst] == node_of_member[member]:
+            parts = relay.relayed(member, dst)
+            if parts:  # positions in the buffer received from s, which holds the rows assigned to this member
+                relay_sends.append(RelaySend(distance, dst, tuple(
+                    ((member - s) % ring_size, RowRanges(_mask_ranges(rows[relay.assigned(member, s)])))
+                    for s, rows in parts)))
+        if node_of_member[src] == node_of_member[member]:
+            parts = relay.relayed(src, member)
+            if parts:
+                relay_recvs.append(RecvStep(distance, src, sum(int(rows.sum()) for _, rows in parts),
+                                            _to_blocks(_pair_blocks_for(mine, relay.rows_table(parts), causal,
+                                                                        window))))
+    return MemberSchedule(local, tuple(recv_steps), tuple(send_steps), tuple(relay_sends), tuple(relay_recvs))
+
+
+class _NodeForwarding:
+    """Who receives which remote rows under node-level forwarding (row sets as bool masks over the
+    owner's member buffer).
+
+    For a node N and a member ``src`` on another node, the rows of ``src`` that some member of N needs
+    cross once: each goes to the first member of N needing it (``assigned``), in an order of N's members
+    rotated by ``src`` so that different sources are relayed by different members, and that member relays
+    it to the other members of N needing it (``relayed``). Every rank derives the same assignment from the
+    plan, so both sides of every message agree without asking."""
+
+    def __init__(self, tables: Sequence[np.ndarray], node_of_member: Sequence[int], causal: bool,
+                 window: Window) -> None:
+        self.tables, self.nodes, self.causal, self.window = tables, list(node_of_member), causal, window
+        self.members: Dict[int, List[int]] = defaultdict(list)
+        for m, node in enumerate(self.nodes):
+            self.members[node].append(m)
+        self.num_docs = 1 + max((int(t[:, 0].max()) for t in tables if len(t)), default=0)
+        self._rows: Dict[int, Tuple[np.ndarray, np.ndarray]] = {}
+        self._horizons: Dict[int, np.ndarray] = {}
+        self._per_source: Dict[Tuple[int, int], Tuple[List[int], np.ndarray, np.ndarray]] = {}
+
+    def forwarded(self, dst: int, src: int) -> bool:
+        """Whether rows of ``src`` reach ``dst`` through forwarding (other node, several members on dst's)."""
+        return self.nodes[dst] != self.nodes[src] and len(self.members[self.nodes[dst]]) > 1
+
+    def _row_docs(self, src: int) -> Tuple[np.ndarray, np.ndarray]:
+        """(document, in-document position) of every row of ``src``'s buffer (-1: padding)."""
+        if src not in self._rows:
+            table = self.tables[src]
+            lengths = table[:, 3] - table[:, 2]
+            first = np.cumsum(lengths) - lengths
+            rows = int((table[:, 1] + lengths).max()) if len(table) else 0
+            doc, pos = np.full(rows, -1, dtype=np.int64), np.zeros(rows, dtype=np.int64)
+            at = np.arange(int(lengths.sum()))
+            index = at + np.repeat(table[:, 1] - first, lengths)
+            doc[index] = np.repeat(table[:, 0], lengths)
+            pos[index] = at + np.repeat(table[:, 2] - first, lengths)
+            self._rows[src] = doc, pos
+        return self._rows[src]
+
+    def _needed(self, dst: int, src: int) -> np.ndarray:
+        """Rows of ``src``'s buffer that some query of ``dst`` attends. Without a window: keys of a document
+        ``dst`` holds, before its last query of the document when causal (what the blocks touch)."""
+        doc, pos = self._row_docs(src)
+        if self.window is not None:
+            mask = np.zeros(len(doc), dtype=bool)
+            blocks = _pair_blocks_for(self.tables[dst], self.tables[src], self.causal, self.window)
+            for s, e in (_needed_rows(blocks)[0].ranges if len(blocks) else ()):
+                mask[s:e] = True
+            return mask
+        if dst not in self._horizons:
+            horizon = np.zeros(self.num_docs + 1, dtype=np.int64)  # the last entry: padding rows (doc -1)
+            table = self.tables[dst]
+            np.maximum.at(horizon, table[:, 0], table[:, 3] if self.causal else np.full(len(table), 1 << 62))
+            self._horizons[dst] = horizon
+        return pos < self._horizons[dst][doc]
+
+    def _source(self, node: int, src: int) -> Tuple[List[int], np.ndarray, np.ndarray]:
+        """(members of ``node`` in the order rotated by ``src``, their needed rows ``[M, rows]``, their
+        assigned rows ``[M, rows]``)."""
+        key = (node, src)
+        if key not in self._per_source:
+            members = self.members[node]
+            first = src % len(members)
+            order = members[first:] + members[:first]
+            needed = np.stack([self._needed(m, src) for m in order])
+            earlier = np.zeros_like(needed)
+            earlier[1:] = np.logical_or.accumulate(needed[:-1], axis=0)
+            self._per_source[key] = order, needed, needed & ~earlier
+        return self._per_source[key]
+
+    def assigned(self, dst: int, src: int) -> np.ndarray:
+        """Rows of ``src`` that cross the node boundary to ``dst`` (bool mask over ``src``'s buffer)."""
+        order, _, assigned = self._source(self.nodes[dst], src)
+        return assigned[order.index(dst)]
+
+    def relayed(self, relay: int, dst: int) -> List[Tuple[int, np.ndarray]]:
+        """(src, rows of src's buffer) that ``relay`` passes on to ``dst`` (same node), in increasing src."""
+        parts = []
+        for src in range(len(self.nodes)):
+            if self.nodes[src] != self.nodes[relay]:
+                order, needed, assigned = self._source(self.nodes[relay], src)
+                rows = assigned[order.index(relay)] & needed[order.index(dst)]
+                if rows.any():
+                    parts.append((src, rows))
+        return parts
+
+    def relays_from(self, relay: int, src: int) -> bool:
+        """Whether ``relay`` passes on some rows it received from ``src``."""
+        order, needed, assigned = self._source(self.nodes[relay], src)
+        i = order.index(relay)
+        others = np.delete(needed, i, axis=0).any(axis=0)
+        return bool((assigned[i] & others).any())
+
+    def rows_table(self, parts: Sequence[Tuple[int, np.ndarray]]) -> np.ndarray:
+        """Piece table (``piece_tables``' form) of a buffer concatenating, for each ``(src, rows)`` of
+        ``parts``, the rows of ``src``'s buffer selected by the mask, in order."""
+        docs, positions = [], []
+        for src, rows in parts:
+            doc, pos = self._row_docs(src)
+            docs.append(doc[:len(rows)][rows[:len(doc)]])
+            positions.append(pos[:len(rows)][rows[:len(doc)]])
+        doc, pos = np.concatenate(docs), np.concatenate(positions)
+        heads = np.flatnonzero(np.concatenate([[True], (doc[1:] != doc[:-1]) | (pos[1:] != pos[:-1] + 1)]))
+        tails = np.append(heads[1:], len(doc)) - 1
+        table = np.stack([doc[heads], heads, pos[heads], pos[tails] + 1], axis=1)
+        return table[np.lexsort((table[:, 2], table[:, 0]))]
+
+
+def _mask_ranges(mask: np.ndarray) -> Tuple[Tuple[int, int], ...]:
+    """The ``[start, end)`` runs of True in a bool mask."""
+    edges = np.diff(np.concatenate([[0], mask.astype(np.int8), [0]]))
+    return tuple(zip(np.flatnonzero(edges == 1).tolist(), np.flatnonzero(edges == -1).tolist()))

@@ -145,6 +145,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="all-to-all degree inside the CP group (default: per mode, see docs/training.md)")
     g.add_argument("--head-chunk-size", type=_positive_int, default=None,
                    help="query heads per UPipe stage (hsap default: the Ulysses size)")
+    g.add_argument("--cp-kv-forwarding", action="store_true",
+                   help="node-level K/V forwarding: a remote key/value row needed by several ring members of a "
+                        "node crosses nodes once and is relayed inside the node (rings with several members per "
+                        "node)")
     g.add_argument("--cp-layout", choices=LAYOUTS, default=None,
                    help="token placement (default: sequence-aware for hsap, zigzag otherwise)")
     g.add_argument("--attention-kernel", choices=KERNELS, default=None, help="default auto")
@@ -564,7 +568,7 @@ def cp_config_from_args(args: argparse.Namespace) -> ContextParallelConfig:
     try:
         return ContextParallelConfig(mode=args.context_parallel_mode, ulysses_size=args.ulysses_size,
                                      head_chunk_size=args.head_chunk_size, layout=args.cp_layout,
-                                     kernel=args.attention_kernel)
+                                     kernel=args.attention_kernel, kv_forwarding=args.cp_kv_forwarding)
     except ValueError as err:
         raise ValueError(f"invalid context-parallel flags: {err}") from err
 
