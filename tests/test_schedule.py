@@ -186,3 +186,82 @@ def test_bad_windows_name_the_argument(window, causal):
     plan = plan_batch(cu_seqlens_from_lengths([64]), CPTopology.offline(2, 1, 2), "zigzag")
     with pytest.raises(ValueError, match=r"window_size=.*allowed values"):
         plan.member_schedule(causal, 0, window)
+
+
+def _check_forwarding_plan(lengths, topo: CPTopology, layout: str, causal: bool, window_size=None) -> None:
+    """Node-level K/V forwarding: every member's blocks (local, direct from other members, relayed by a member
+    of its node) cover exactly the document mask; both sides of every message agree on its rows and on
+    whether the gradients come back deferred; only relays of the same node; inter-node rows = ``stats``'
+    forwarded count (a row once per receiving node)."""
+    cu = cu_seqlens_from_lengths(lengths)
+    plan = plan_batch(cu, topo, layout)
+    total = sum(lengths)
+    reference = document_mask(cu, total, causal, window_size=window_size)
+    nodes = topo.node_of_ring_member
+    schedules = [plan.member_schedule(causal, m, window_size, kv_forwarding=True) for m in range(topo.ring_size)]
+    inter_rows = 0
+    for member, schedule in enumerate(schedules):
+        q_rows = _member_rows(plan, member)
+        valid = q_rows >= 0
+        covered = torch.zeros(len(q_rows), total, dtype=torch.int64)
+        covered.index_add_(1, q_rows[valid], blocks_mask(schedule.local_blocks, len(q_rows), len(q_rows))[:, valid].long())
+        arrived = {}  # distance -> global index of every row received directly
+        for recv in schedule.recv_steps:
+            send = next(s for s in schedules[recv.src_member].send_steps if s.dst_member == member)
+            assert (send.distance, send.rows.num_rows, send.deferred) == (recv.distance, recv.num_rows, recv.deferred)
+            src_rows = _member_rows(plan, recv.src_member)
+            arrived[recv.distance] = send.rows.gather_into(src_rows, torch.empty(recv.num_rows, dtype=torch.int64))
+            covered.index_add_(1, arrived[recv.distance], blocks_mask(recv.blocks, len(q_rows), recv.num_rows).long())
+            inter_rows += recv.num_rows if nodes[recv.src_member] != nodes[member] else 0
+        for recv in schedule.relay_recvs:
+            assert nodes[recv.src_member] == nodes[member]
+            relay = schedules[recv.src_member]
+            send = next(s for s in relay.relay_sends if s.dst_member == member)
+            assert (send.distance, send.num_rows) == (recv.distance, recv.num_rows)
+            relay_arrived = {r.distance: r for r in relay.recv_steps}
+            rows = []
+            for distance, part in send.parts:
+                sender = schedules[relay_arrived[distance].src_member]
+                direct = next(s for s in sender.send_steps if s.dst_member == recv.src_member)
+                src_rows = _member_rows(plan, relay_arrived[distance].src_member)
+                got = direct.rows.gather_into(src_rows, torch.empty(direct.rows.num_rows, dtype=torch.int64))
+                rows.append(part.gather_into(got, torch.empty(part.num_rows, dtype=torch.int64)))
+            covered.index_add_(1, torch.cat(rows), blocks_mask(recv.blocks, len(q_rows), recv.num_rows).long())
+        assert covered.numel() == 0 or int(covered.max()) <= 1, "a key is attended twice by one query"
+        expected = torch.zeros_like(covered)
+        expected[valid] = reference[q_rows[valid]].long()
+        assert torch.equal(covered, expected), f"member {member}: blocks do not match the document mask"
+    stats = plan.stats(8, 4, 8, torch.float32, causal=causal, window_size=window_size)
+    assert inter_rows * 2 * 4 * 8 * 4 == sum(stats.recv_bytes_inter_forwarded)
+
+
+# (CP, Ulysses, ranks per node, hard cases): 2 nodes x 2 members; Ulysses pairs, 2 x 2; 3 nodes x 4 members.
+FORWARDING_SHAPES = [(4, 1, 2, None), (8, 2, 4, None),
+                     (12, 1, 4, ("crosses_all_boundaries", "length_one_and_zero"))]
+
+
+@pytest.mark.parametrize("cp,ulysses,ranks_per_node,names", FORWARDING_SHAPES)
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_forwarding_blocks_cover_document_mask_on_hard_cases(cp, ulysses, ranks_per_node, names, layout):
+    topo = CPTopology.offline(cp, ulysses, ranks_per_node)
+    assert topo.ring_members_share_nodes()
+    cases = hard_cases(cp)
+    for name in names or cases:
+        for causal in (True, False):
+            _check_forwarding_plan(cases[name], topo, layout, causal)
+    for window, causal in WINDOWS[::2]:
+        _check_forwarding_plan(cases["one_long_many_short"], topo, layout, causal, window)
+
+
+def test_forwarding_moves_each_remote_row_across_nodes_once():
+    """One document over a ring of 8 on 2 nodes (zigzag): without forwarding every member of a node receives
+    the other node's rows it needs separately; with it they cross once, 4 x fewer inter-node rows."""
+    topo = CPTopology.offline(8, 1, 4)
+    plan = plan_batch(cu_seqlens_from_lengths([4096]), topo, "zigzag")
+    stats = plan.stats(8, 8, 64, torch.bfloat16)
+    assert sum(stats.recv_bytes_inter) == 4 * sum(stats.recv_bytes_inter_forwarded)
+    schedule = plan.member_schedule(True, 0, kv_forwarding=True)
+    assert schedule.forwarding and plan.member_schedule(True, 0, kv_forwarding=True) is schedule  # cached
+    assert not plan.member_schedule(True, 0).forwarding
+    hybrid = plan_batch(cu_seqlens_from_lengths([4096]), CPTopology.offline(8, 4, 4), "zigzag")
+    assert hybrid.member_schedule(True, 0, kv_forwarding=True) is hybrid.member_schedule(True, 0)  # one member per node
