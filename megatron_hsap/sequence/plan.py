@@ -4,7 +4,7 @@
 The same plan is computed identically on every rank (it depends only on the
 document lengths and the topology's shape), so every rank knows what every other
 rank will send without asking. Plans are cached by document-length signature (``PLAN_CACHE``,
-bounded), which also takes plan data built ahead in data-loader workers (``prefetch.plan_in_workers``).
+bounded), which also takes plan data built ahead in data-loader workers (``training.plan_workers``).
 """
 
 from __future__ import annotations
