@@ -19,6 +19,7 @@ import uuid
 from types import SimpleNamespace
 from typing import Dict, List
 
+import numpy as np
 import pytest
 import torch
 
@@ -121,6 +122,21 @@ def test_workers_plan_and_the_training_process_only_looks_up(monkeypatch):
     workers = {b["worker"] for b in seen}
     assert len(workers) == 2 and os.getpid() not in workers
     assert all(map(_gone, workers)), "a worker outlived its exhausted iterator"
+
+
+def test_items_arrive_as_read():
+    """Dict items' tensors travel by value (bf16 the shared-memory way) and arrive as equal tensors; other
+    items arrive unchanged."""
+    topology = CPTopology.offline(2, 1, 2)
+    item = {"tokens": torch.arange(8).view(1, 8), "mask": torch.ones(1, 8), "half": torch.ones(2, dtype=torch.bfloat16),
+            "array": np.arange(3), "name": "batch"}
+    got = next(plan_in_workers(lambda i: item, range(1), _cu_of_tokens_only, topology, "zigzag", num_workers=1))
+    assert list(got) == list(item) and got["name"] == "batch" and torch.equal(got["array"], torch.arange(3))
+    assert all(torch.equal(got[k], item[k]) and got[k].dtype == item[k].dtype for k in ("tokens", "mask", "half"))
+    pair = (torch.arange(4).view(1, 4), "pair")
+    got = next(plan_in_workers(lambda i: pair, range(1), lambda p: _cu_of_tokens_only({"tokens": p[0]}), topology,
+                               "zigzag", num_workers=1))
+    assert isinstance(got, tuple) and torch.equal(got[0], pair[0]) and got[1] == "pair"
 
 
 def test_worker_errors_keep_their_message_and_closing_stops_the_workers():

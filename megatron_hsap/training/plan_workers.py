@@ -24,8 +24,9 @@ import pickle
 from functools import partial
 from typing import Any, Callable, Iterator, Optional, Sequence, Tuple, TypeVar, Union
 
+import numpy as np
 import torch
-from torch.utils.data import DataLoader, Dataset, default_convert
+from torch.utils.data import DataLoader, Dataset
 
 from megatron_hsap.parallel_state import CPTopology
 from megatron_hsap.sequence.cost_model import CostModel
@@ -45,9 +46,9 @@ def plan_in_workers(read: Callable[[int], Item], indices: Sequence[int],
     worker processes; its plan data is in ``PLAN_CACHE`` when it is yielded, so the caller's own
     ``plan_batch(cu_seqlens_of(item), topology, layout, cost_model=cost_model)`` is a cache hit.
 
-    Items must pickle; the tensors of a dict item travel by value (``_by_value``) and arrive as tensors.
-    The workers start here; they stop when the iterator is exhausted, closed or collected. Bad arguments
-    raise ValueError here.
+    Items must pickle; a dict item's tensors travel by value (``_by_value``), and its tensors and numpy
+    arrays arrive as tensors. The workers start here; they stop when the iterator is exhausted, closed or
+    collected. Bad arguments raise ValueError here.
     """
     for name, value in (("num_workers", num_workers), ("prefetch_factor", prefetch_factor)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -92,10 +93,24 @@ def _by_value(item: Any) -> Any:
     """A dict item's tensors as numpy arrays, pickled by value through the worker's pipe: for micro-batches
     that costs the training process less than torch's shared-memory hand-over, which waits for a round trip
     to the worker per tensor (4-6 ms vs 1.6-2 ms per micro-batch of three [1, 8192] tensors, loaded 2 cores).
-    The training process turns them back into tensors (``default_convert``, no copy)."""
+    Tensors numpy cannot hold (bf16, requiring grad) keep the shared-memory way."""
     if not isinstance(item, dict):
         return item
-    return {key: v.numpy() if isinstance(v, torch.Tensor) else v for key, v in item.items()}
+    return {key: _numpy_or_tensor(value) if isinstance(value, torch.Tensor) else value for key, value in item.items()}
+
+
+def _numpy_or_tensor(tensor: torch.Tensor) -> Any:
+    try:
+        return tensor.numpy()
+    except (TypeError, RuntimeError):
+        return tensor
+
+
+def _as_tensors(item: Any) -> Any:
+    """``_by_value``'s inverse in the training process: a dict item's numpy arrays as tensors (no copy)."""
+    if not isinstance(item, dict):
+        return item
+    return {key: torch.from_numpy(value) if isinstance(value, np.ndarray) else value for key, value in item.items()}
 
 
 def _picklable(error: Exception) -> Exception:
@@ -124,7 +139,7 @@ def _cached(results: Iterator[Result]) -> Iterator[Any]:
                 raise result
             item, key, data = result
             PLAN_CACHE.put(key, data)
-            yield default_convert(item)
+            yield _as_tensors(item)
     finally:
         # Shut the workers down now (the DataLoader iterator's __del__), even while a raised error's
         # traceback keeps this frame alive.
