@@ -1,11 +1,12 @@
 """What planning costs the training process per step: planned inline, in a thread (``plan_ahead``) or in
 data-loader workers (``plan_in_workers``).
 
-A stand-in training step holds the GIL for ``--step-ms`` (the host side of a step: Python launching kernels),
-then the loop takes the next batch and its plan (``plan_batch``). Reported per mode: wall time per step, and
-the time the loop spent getting the planned batch (the critical path planning adds), p50 / p99.
+A stand-in training step does ``--step-ms`` of GIL-holding work (calibrated at start-up; the host side of a
+step: Python launching kernels), then the loop takes the next batch and its plan (``plan_batch``). Reported
+per mode: wall time per step, and the time the loop spent getting the planned batch (what planning adds to
+the critical path), mean / p50 / p99. Figures: docs/sequence_aware.md, "Plan cache and planning ahead".
 
-    python tools/bench_plan_ahead.py --tokens 262144 --cp 16 --ulysses 2 --ranks-per-node 8 --steps 40
+    python tools/bench_plan_ahead.py --steps 30 --step-ms 100
 """
 
 from __future__ import annotations
