@@ -64,7 +64,7 @@ def plan_in_workers(read: Callable[[int], Item], indices: Sequence[int],
                         prefetch_factor=prefetch_factor, collate_fn=_unchanged,
                         worker_init_fn=partial(_leave_signals_to_parent, os.getpid()),
                         multiprocessing_context="fork", generator=torch.Generator())
-    return _cached(iter(loader))
+    return _cached(iter(loader), len(indices))
 
 
 #: A worker's answer: (item, plan key, plan data) or the error.
@@ -132,13 +132,18 @@ def _leave_signals_to_parent(parent: int, _worker_id: int) -> None:
     die_with_parent(parent)
 
 
-def _cached(results: Iterator[Result]) -> Iterator[Any]:
+def _cached(results: Iterator[Result], count: int) -> Iterator[Any]:
+    """The items of ``results`` (``count`` of them), their plan data stored in ``PLAN_CACHE`` first."""
     try:
-        for result in results:
+        for number, result in enumerate(results, 1):
             if isinstance(result, Exception):
                 raise result
             item, key, data = result
             PLAN_CACHE.put(key, data)
+            # All received: the loader stops its workers now, not when the iterator is collected (the
+            # training loop never asks past its last micro-batch and keeps its iterator until it returns).
+            if number == count:
+                next(results, None)
             yield _as_tensors(item)
     finally:
         # Shut the workers down now (the DataLoader iterator's __del__), even while a raised error's
