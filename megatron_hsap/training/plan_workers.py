@@ -13,7 +13,7 @@ Workers are forked, as Megatron-LM's (the dataset and ``read`` need not pickle).
 rank's process group, so the signals the launcher forwards to that group (with
 ``--exit-signal-handler`` the rank finishes its iteration, which still needs them) do not stop it, and
 is killed by the kernel when the rank dies, however it ends (``PR_SET_PDEATHSIG``); otherwise workers
-exit with the iterator. An error in a worker (bad token ids, bad ``cu_seqlens``) is sent back as the
+exit once the last item is received, or with the iterator. An error in a worker (bad token ids, bad ``cu_seqlens``) is sent back as the
 result and raised in the training process with its type and message, at the micro-batch that caused it.
 """
 
@@ -47,8 +47,8 @@ def plan_in_workers(read: Callable[[int], Item], indices: Sequence[int],
     ``plan_batch(cu_seqlens_of(item), topology, layout, cost_model=cost_model)`` is a cache hit.
 
     Items must pickle; a dict item's tensors travel by value (``_by_value``), and its tensors and numpy
-    arrays arrive as tensors. The workers start here; they stop when the iterator is exhausted, closed or
-    collected. Bad arguments raise ValueError here.
+    arrays arrive as tensors. The workers start here; they stop once the last item is received, or when
+    the iterator is closed or collected. Bad arguments raise ValueError here.
     """
     for name, value in (("num_workers", num_workers), ("prefetch_factor", prefetch_factor)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
