@@ -57,9 +57,9 @@ def test_megatron_lm_example_scripts_parse(tmp_path):
         assert "unrecognized argument" not in rejected.values()
         assert len(accepted) + len(ignored) + len(rejected) == len(tool._flags(flags))
     accepted, ignored, _ = results["examples/llama/train_llama3_8b_h100_fp8.sh"]
-    assert {"--overlap-grad-reduce", "--num-workers", "--use-mcore-models"} <= set(ignored)
+    assert {"--overlap-grad-reduce", "--use-mcore-models"} <= set(ignored)
     assert {"--attention-backend", "--train-samples", "--calculate-per-token-loss", "--sequence-parallel",
-            "--decoupled-lr", "--grad-reduce-in-bf16"} <= set(accepted)
+            "--decoupled-lr", "--grad-reduce-in-bf16", "--num-workers"} <= set(accepted)
 
 
 @pytest.mark.parametrize("flags, mode, ulysses", [
@@ -129,12 +129,12 @@ def test_unsupported_result_changing_flags_are_errors_naming_the_flag(capsys, fl
 
 
 def test_ignored_flags_are_listed_once_and_sequence_parallel_turns_off_at_tp1():
-    args = _parse("--overlap-grad-reduce", "--num-workers", "2", "--sequence-parallel", "--manual-gc", "--profile",
+    args = _parse("--overlap-grad-reduce", "--sequence-parallel", "--manual-gc", "--profile",
                   "--profile-step-start", "4")
     assert args.sequence_parallel is False
     assert args.compat_notes == [
         "--sequence-parallel has no effect with --tensor-model-parallel-size 1: turned off (as Megatron-LM does)",
-        "ignored on this path: --overlap-grad-reduce, --manual-gc, --num-workers, --profile, --profile-step-start"]
+        "ignored on this path: --overlap-grad-reduce, --manual-gc, --profile, --profile-step-start"]
     assert _parse().compat_notes == []
     assert _parse("--tensor-model-parallel-size", "2", "--context-parallel-size", "2",
                   "--sequence-parallel").sequence_parallel is True

@@ -12,7 +12,7 @@ import torch
 
 from megatron_hsap.parallel_state import CPTopology
 from megatron_hsap.sequence.doc_lengths import cu_seqlens_from_lengths, sample_doc_lengths
-from megatron_hsap.sequence.plan import _cached_plan_data, build_plan_data, plan_batch
+from megatron_hsap.sequence.plan import PLAN_CACHE, build_plan_data, plan_batch
 from megatron_hsap.sequence.prefetch import PlanPrefetcher, plan_ahead
 from megatron_hsap.training.packing import document_cu_seqlens
 
@@ -87,9 +87,9 @@ def test_plan_ahead_passes_batches_through_and_leaves_their_plans_cached() -> No
     seen = []
     for batch in plan_ahead(iter(batches), cu_of, topo, "sequence-aware", depth=2):
         seen.append(batch)
-        hits = _cached_plan_data.cache_info().hits
+        hits = PLAN_CACHE.hits
         plan = plan_batch(cu_of(batch), topo, "sequence-aware")
-        assert _cached_plan_data.cache_info().hits == hits + 1
+        assert PLAN_CACHE.hits == hits + 1
         # What another rank computes from scratch, without any cache, is the same plan.
         fresh = build_plan_data(plan.doc_lengths, topo.signature(), "sequence-aware", None)
         assert np.array_equal(plan._data.table, fresh.table)

@@ -29,11 +29,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from megatron_hsap.kernels.gpu_common import split_into_passes  # noqa: E402
 from megatron_hsap.parallel_state import CPTopology  # noqa: E402
 from megatron_hsap.sequence.doc_lengths import cu_seqlens_from_lengths, sample_doc_lengths  # noqa: E402
-from megatron_hsap.sequence.plan import _cached_plan_data, plan_batch  # noqa: E402
+from megatron_hsap.sequence.plan import PLAN_CACHE, plan_batch  # noqa: E402
 
 
 def measure(lengths: List[int], topo: CPTopology, layout: str) -> Dict[str, float]:
-    _cached_plan_data.cache_clear()
+    PLAN_CACHE.clear()
     cu = cu_seqlens_from_lengths(lengths)
     start = time.perf_counter()
     plan = plan_batch(cu, topo, layout)

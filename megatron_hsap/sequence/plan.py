@@ -3,14 +3,14 @@
 ``plan_batch`` turns the global batch's document boundaries into a ``BatchPlan``.
 The same plan is computed identically on every rank (it depends only on the
 document lengths and the topology's shape), so every rank knows what every other
-rank will send without asking. Plans are cached by document-length signature.
+rank will send without asking. Plans are cached by document-length signature (``PLAN_CACHE``,
+bounded), which also takes plan data built ahead in data-loader workers (``training.plan_workers``).
 """
 
 from __future__ import annotations
 
 import gc
 from dataclasses import dataclass, field
-from functools import lru_cache
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
@@ -21,12 +21,14 @@ from megatron_hsap.config import LAYOUTS
 from megatron_hsap.head_split import split_heads
 from megatron_hsap.parallel_state import CPTopology
 from megatron_hsap.sequence.cost_model import CostModel
+from megatron_hsap.sequence.plan_cache import PlanCache
 from megatron_hsap.kernels.base import band_area
 from megatron_hsap.sequence.layouts import Segment, check_table, contiguous_table, table_segments, zigzag_table
 from megatron_hsap.sequence.schedule import (MemberSchedule, Piece, Window, build_member_schedule, document_bounds,
                                              member_pieces, normalize_window, piece_tables)
 
-__all__ = ["BatchPlan", "PlanStats", "plan_batch", "validate_cu_seqlens"]
+__all__ = ["BatchPlan", "PlanStats", "PLAN_CACHE", "PlanKey", "build_plan_data", "plan_batch", "plan_key",
+           "validate_cu_seqlens"]
 
 
 def validate_cu_seqlens(cu_seqlens: torch.Tensor) -> Tuple[int, ...]:
@@ -196,7 +198,25 @@ def build_plan_data(doc_lengths: Tuple[int, ...], topology_signature: tuple, lay
     return data
 
 
-_cached_plan_data = lru_cache(maxsize=64)(build_plan_data)
+#: (document lengths, topology signature, layout, cost model): ``build_plan_data``'s arguments.
+PlanKey = Tuple[Tuple[int, ...], Tuple[int, int, Tuple[int, ...]], str, Optional[CostModel]]
+#: The plans' rank-independent data by ``plan_key``: 64 entries, least recently used evicted.
+PLAN_CACHE: PlanCache = PlanCache(maxsize=64)
+
+
+def plan_key(cu_seqlens: torch.Tensor, topology_signature: Tuple[int, int, Tuple[int, ...]], layout: str,
+             cost_model: Optional[CostModel] = None) -> PlanKey:
+    """The cache key of ``plan_batch``'s plan (``topology_signature``: ``CPTopology.signature()``), with the
+    arguments checked (ValueError naming the bad one) and a cost model that changes nothing dropped, so
+    plans that cannot differ share an entry."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout={layout!r} is not supported; allowed values: {', '.join(map(repr, LAYOUTS))}")
+    if cost_model is not None and not isinstance(cost_model, CostModel):
+        raise ValueError(f"cost_model must be a CostModel or None, got {type(cost_model).__name__}")
+    lengths = validate_cu_seqlens(cu_seqlens)
+    if layout != "sequence-aware" or cost_model == CostModel():
+        cost_model = None
+    return lengths, topology_signature, layout, cost_model
 
 
 def plan_batch(cu_seqlens: torch.Tensor, topology: CPTopology, layout: str = "zigzag", *,
@@ -210,16 +230,14 @@ def plan_batch(cu_seqlens: torch.Tensor, topology: CPTopology, layout: str = "zi
     a rank with padding takes in place of linear work); default ``CostModel()`` (Llama-3-8B).
     The other layouts ignore it.
     """
-    if layout not in LAYOUTS:
-        raise ValueError(f"layout={layout!r} is not supported; allowed values: {', '.join(map(repr, LAYOUTS))}")
     if not isinstance(topology, CPTopology):
         raise ValueError(f"topology must be a CPTopology, got {type(topology).__name__}")
-    if cost_model is not None and not isinstance(cost_model, CostModel):
-        raise ValueError(f"cost_model must be a CostModel or None, got {type(cost_model).__name__}")
-    lengths = validate_cu_seqlens(cu_seqlens)
-    if layout != "sequence-aware" or cost_model == CostModel():
-        cost_model = None  # one cache entry per plan that can differ
-    return BatchPlan(_cached_plan_data(lengths, topology.signature(), layout, cost_model), topology)
+    key = plan_key(cu_seqlens, topology.signature(), layout, cost_model)
+    data = PLAN_CACHE.get(key)
+    if data is None:
+        data = build_plan_data(*key)
+        PLAN_CACHE.put(key, data)
+    return BatchPlan(data, topology)
 
 
 class BatchPlan:

@@ -1,12 +1,13 @@
-"""Plans off the critical path: plan the next batches in a background thread while the current one trains.
+"""Plans off the critical path, in a thread: plan the next batches in the background while the current one trains.
 
 A plan is a pure function of the batch's document lengths, the topology's shape, the
 layout and the cost model (``plan_batch``), so every rank that plans the same stream of
 ``cu_seqlens`` gets identical plans without communicating; the rank-independent part is
-shared through ``plan_batch``'s bounded LRU cache. ``PlanPrefetcher`` only moves that work
-ahead in time: it keeps at most ``depth`` planned batches waiting.
+shared through ``plan_batch``'s bounded cache (``plan.PLAN_CACHE``). ``PlanPrefetcher`` only moves
+that work ahead in time: it keeps at most ``depth`` planned batches waiting.
 
-``plan_ahead`` is the form the training loop uses: it passes the micro-batches through unchanged while
+``plan_ahead`` is the form the training loop uses with ``--num-workers 0`` (with workers, the data-loader
+worker processes plan instead: ``training.plan_workers``): it passes the micro-batches through unchanged while
 the next ``depth`` of them are planned in the background, so the loop's own ``plan_batch`` call (inside
 ``pack_micro_batch``) finds the plan in the cache. The planning thread holds the GIL only between
 torch calls of the training step (which release it), and ``plan_batch``'s cache (64 entries) is far

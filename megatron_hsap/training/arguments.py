@@ -33,7 +33,7 @@ __all__ = ["DEMO_FLAGS", "IGNORED_FLAGS", "build_parser", "parse_args", "validat
 IGNORED_FLAGS = {
     "--use-mcore-models": 0, "--overlap-grad-reduce": 0, "--overlap-param-gather": 0,
     "--cross-entropy-loss-fusion": 0, "--manual-gc": 0, "--manual-gc-interval": 1,
-    "--empty-unused-memory-level": 1, "--num-workers": 1, "--no-create-attention-mask-in-dataloader": 0,
+    "--empty-unused-memory-level": 1, "--no-create-attention-mask-in-dataloader": 0,
     "--no-mmap-bin-files": 0, "--profile": 0, "--profile-step-start": 1, "--profile-step-end": 1,
     "--profile-ranks": "+", "--use-pytorch-profiler": 0, "--tp-comm-overlap": 0,
     "--no-gradient-accumulation-fusion": 0, "--no-masked-softmax-fusion": 0, "--no-bias-gelu-fusion": 0,
@@ -68,9 +68,12 @@ def _positive_int(text: str) -> int:
 
 
 def _non_negative_int(text: str) -> int:
-    value = int(text)
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer; allowed: 0, 1, 2, ...") from None
     if value < 0:
-        raise argparse.ArgumentTypeError(f"{value} is negative")
+        raise argparse.ArgumentTypeError(f"{value} is negative; allowed: 0, 1, 2, ...")
     return value
 
 
@@ -220,6 +223,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="positions restart after EOD; that is what --reset-attention-mask does here, so it needs it")
     g.add_argument("--eod-mask-loss", action="store_true", help="no loss on EOD input tokens")
     g.add_argument("--data-cache-path", default=None)
+    g.add_argument("--num-workers", type=_non_negative_int, default=2,
+                   help="data-loader worker processes that read and plan the micro-batches ahead (as Megatron-LM's, "
+                        "default 2); 0: read in the training process and plan in a thread there")
 
     g = p.add_argument_group("checkpointing")
     g.add_argument("--save", default=None)

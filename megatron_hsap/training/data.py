@@ -25,7 +25,8 @@ from megatron_hsap.training.arguments import data_path_prefixes
 from megatron_hsap.training.corpus import default_cache_dir, ensure_stdlib_corpus
 from megatron_hsap.training.dataset_check import check_token_ids
 
-__all__ = ["dataset_config", "split_sizes", "build_datasets", "micro_batches"]
+__all__ = ["dataset_config", "split_sizes", "build_datasets", "micro_batch_indices", "micro_batch_at",
+           "micro_batches"]
 
 
 def dataset_config(args: argparse.Namespace, tokenizer: Any, data_path: Optional[List[str]]) -> Any:
@@ -122,30 +123,41 @@ def _check_vocabulary(prefixes: List[Tuple[str, str]], vocab_size: int) -> None:
         raise ValueError(problem[0])
 
 
+def micro_batch_indices(args: argparse.Namespace, start_iteration: int, stop_iteration: Optional[int] = None
+                        ) -> range:
+    """Numbers ``iteration * num_microbatches + micro`` of the micro-batches of iterations
+    ``[start_iteration, stop_iteration)`` (0-based; default stop: ``--train-iters``), in reading order."""
+    stop = args.train_iters if stop_iteration is None else stop_iteration
+    return range(start_iteration * args.num_microbatches, stop * args.num_microbatches)
+
+
+def micro_batch_at(dataset: Any, args: argparse.Namespace, data_parallel_rank: int, index: int, vocab_size: int,
+                   label: str = "") -> Dict[str, torch.Tensor]:
+    """This DP rank's micro-batch number ``index`` (``micro_batch_indices``), in Megatron's sampler order.
+
+    Holds ``tokens``, ``labels``, ``loss_mask`` as ``[micro_batch_size, seq_length]`` (the same on every
+    TP/PP/CP rank of this DP rank). A token id outside ``[0, vocab_size)`` raises ValueError naming the
+    iteration (prefixed by ``label``, e.g. ``"validation "``) and samples, before the ids reach the embedding.
+    """
+    gbs, mbs, dp = args.global_batch_size, args.micro_batch_size, args.data_parallel_size
+    iteration, micro = divmod(index, args.num_microbatches)
+    first = iteration * gbs + (micro * dp + data_parallel_rank) * mbs
+    samples = [dataset[i] for i in range(first, first + mbs)]
+    batch = {key: torch.stack([torch.as_tensor(s[key]) for s in samples]) for key in ("tokens", "labels", "loss_mask")}
+    for key in ("tokens", "labels"):
+        ids = batch[key]
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab_size):
+            bad = ids[(ids < 0) | (ids >= vocab_size)][0]
+            raise ValueError(f"{label}iteration {iteration + 1}: samples {first}..{first + mbs - 1} hold "
+                             f"{key} id {int(bad)}, outside the vocabulary [0, {vocab_size}); the data "
+                             "does not match the tokenizer")
+    return batch
+
+
 def micro_batches(dataset: Any, args: argparse.Namespace, data_parallel_rank: int, start_iteration: int,
                   vocab_size: int, stop_iteration: Optional[int] = None, label: str = ""
                   ) -> Iterator[Dict[str, torch.Tensor]]:
-    """Yield this DP rank's micro-batches of iterations ``[start_iteration, stop_iteration)`` (default: up to
-    ``--train-iters``), in Megatron's sampler order.
-
-    Each item holds ``tokens``, ``labels``, ``loss_mask`` as ``[micro_batch_size, seq_length]``
-    (the same on every TP/PP/CP rank of this DP rank). A token id outside ``[0, vocab_size)`` raises
-    ValueError naming the iteration (prefixed by ``label``, e.g. ``"validation "``) and samples, before
-    the ids reach the embedding.
-    """
-    gbs, mbs, dp = args.global_batch_size, args.micro_batch_size, args.data_parallel_size
-    stop = args.train_iters if stop_iteration is None else stop_iteration
-    for iteration in range(start_iteration, stop):
-        for micro in range(args.num_microbatches):
-            first = iteration * gbs + (micro * dp + data_parallel_rank) * mbs
-            samples = [dataset[i] for i in range(first, first + mbs)]
-            batch = {key: torch.stack([torch.as_tensor(s[key]) for s in samples])
-                     for key in ("tokens", "labels", "loss_mask")}
-            for key in ("tokens", "labels"):
-                ids = batch[key]
-                if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab_size):
-                    bad = ids[(ids < 0) | (ids >= vocab_size)][0]
-                    raise ValueError(f"{label}iteration {iteration + 1}: samples {first}..{first + mbs - 1} hold "
-                                     f"{key} id {int(bad)}, outside the vocabulary [0, {vocab_size}); the data "
-                                     "does not match the tokenizer")
-            yield batch
+    """Yield this DP rank's micro-batches (``micro_batch_at``) of iterations ``[start_iteration, stop_iteration)``
+    (default: up to ``--train-iters``), in Megatron's sampler order."""
+    for index in micro_batch_indices(args, start_iteration, stop_iteration):
+        yield micro_batch_at(dataset, args, data_parallel_rank, index, vocab_size, label)

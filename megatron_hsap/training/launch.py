@@ -34,7 +34,8 @@ from typing import Callable, List, Optional
 from megatron_hsap.training import progress
 from megatron_hsap.training.quiet import quiet_rank
 
-__all__ = ["freeze_imported_objects", "launched_by_torchrun", "spawn_local_ranks", "FORWARDED_SIGNALS"]
+__all__ = ["die_with_parent", "freeze_imported_objects", "launched_by_torchrun", "spawn_local_ranks",
+           "FORWARDED_SIGNALS"]
 
 #: Signals the launcher passes on to every rank.
 FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2, signal.SIGINT, signal.SIGHUP)
@@ -53,13 +54,13 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _die_with_parent(parent: int) -> None:
-    """Ask Linux to SIGKILL this process when the launcher dies (no-op elsewhere)."""
+def die_with_parent(parent: int) -> None:
+    """Ask Linux to SIGKILL this process when its parent ``parent`` (the launcher, a rank) dies (no-op elsewhere)."""
     try:
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
     except (OSError, AttributeError):
         return
-    if os.getppid() != parent:  # the launcher died before the request took effect
+    if os.getppid() != parent:  # the parent died before the request took effect
         os._exit(128 + signal.SIGKILL)
 
 
@@ -67,7 +68,7 @@ def _rank_main(rank: int, nproc: int, port: int, main: Callable[[argparse.Namesp
                args: argparse.Namespace, shared_progress: object, parent: int) -> None:
     os.setpgid(0, 0)  # own process group: the launcher can kill the rank with everything it started
     quiet_rank(rank)
-    _die_with_parent(parent)
+    die_with_parent(parent)
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(nproc), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(nproc),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
                       OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))

@@ -28,7 +28,7 @@ import datetime
 import os
 import time
 from functools import partial
-from typing import Any, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -39,6 +39,7 @@ from megatron_hsap.training.arguments import cp_config_from_args
 from megatron_hsap.training.iteration_log import IterationLogger, IterationRecord, peak_memory_bytes
 from megatron_hsap.sequence.prefetch import plan_ahead
 from megatron_hsap.training.packing import PackedMicroBatch, document_cu_seqlens, pack_micro_batch
+from megatron_hsap.training.plan_workers import plan_in_workers
 
 __all__ = ["pretrain", "forward_packed"]
 
@@ -68,13 +69,32 @@ def _check_heads(args: argparse.Namespace, topology: Any) -> None:
                          f"{topology.ulysses_size}: {err}") from None
 
 
+def _planned_micro_batches(args: argparse.Namespace, dataset: Any, dp_rank: int, first: int, stop: Optional[int],
+                           label: str, vocab_size: int, cu_seqlens_of: Callable[[Dict], torch.Tensor], topology: Any,
+                           layout: str) -> Iterator[Dict[str, torch.Tensor]]:
+    """This DP rank's micro-batches of iterations ``[first, stop)`` (``data.micro_batches``), planned ahead:
+    read and planned in ``--num-workers`` worker processes, or with 0, read here and planned in a thread."""
+    from megatron_hsap.training.data import micro_batch_at, micro_batch_indices, micro_batches
+
+    if args.num_workers:
+        read = partial(micro_batch_at, dataset, args, dp_rank, vocab_size=vocab_size, label=label)
+        yield from plan_in_workers(read, micro_batch_indices(args, first, stop), cu_seqlens_of, topology, layout,
+                                   num_workers=args.num_workers)
+    else:
+        yield from plan_ahead(micro_batches(dataset, args, dp_rank, first, vocab_size, stop, label), cu_seqlens_of,
+                              topology, layout)
+
+
 def _packed_iterator(batches: Iterator[Dict[str, torch.Tensor]], eod: int, split_at_eod: bool, topology: Any,
                      layout: str, device: torch.device) -> Iterator[PackedMicroBatch]:
-    """Pack each micro-batch and move it to ``device``; the next ones are planned in a background thread
-    meanwhile (``plan_ahead``), so ``pack_micro_batch``'s own ``plan_batch`` is a cache hit."""
-    batches = plan_ahead(batches, lambda b: document_cu_seqlens(b["tokens"], eod, split_at_eod), topology, layout)
+    """Pack each micro-batch and move it to ``device``; planned ahead (``_planned_micro_batches``), its
+    ``pack_micro_batch``'s own ``plan_batch`` is a cache hit."""
     for batch in batches:
         yield pack_micro_batch(batch, eod, split_at_eod, topology, layout).to(device)
+
+
+def _cu_seqlens_of(eod: int, split_at_eod: bool, batch: Dict[str, torch.Tensor]) -> torch.Tensor:
+    return document_cu_seqlens(batch["tokens"], eod, split_at_eod)
 
 
 def _loss_func(mb: PackedMicroBatch, cp_group: Any, nan_check: Any, output_tensor: torch.Tensor
@@ -224,7 +244,7 @@ def _train(args: argparse.Namespace, signals: Any, started: float) -> List[Itera
 
     from megatron_hsap.instrumentation import comm_stats
     from megatron_hsap.training.checkpoint import load_checkpoint, save_checkpoint
-    from megatron_hsap.training.data import build_datasets, micro_batches
+    from megatron_hsap.training.data import build_datasets
     from megatron_hsap.training.iteration_log import make_writers, num_floating_point_operations
     from megatron_hsap.training.model import build_model, padded_vocab_size, transformer_config
     from megatron_hsap.training.nonfinite import NonFiniteCheck
@@ -273,9 +293,13 @@ def _train(args: argparse.Namespace, signals: Any, started: float) -> List[Itera
     device = next(model[0].parameters()).device
     dp_rank = mpu.get_data_parallel_rank()
 
+    eod, split_at_eod = tokenizer.eod, args.reset_attention_mask
+    cu_seqlens_of = partial(_cu_seqlens_of, eod, split_at_eod)
+
     def packed(data: Any, first: int, stop: Optional[int], label: str = "") -> Iterator[PackedMicroBatch]:
-        return _packed_iterator(micro_batches(data, args, dp_rank, first, tokenizer.vocab_size, stop, label),
-                                tokenizer.eod, args.reset_attention_mask, topology, layout, device)
+        batches = _planned_micro_batches(args, data, dp_rank, first, stop, label, tokenizer.vocab_size, cu_seqlens_of,
+                                         topology, layout)
+        return _packed_iterator(batches, eod, split_at_eod, topology, layout, device)
 
     # One iterator per model chunk: the interleaved schedule reads each micro-batch once per chunk.
     iterators = [packed(dataset, start, None) for _ in model]
