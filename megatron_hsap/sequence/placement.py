@@ -155,35 +155,36 @@ def _attention_targets(caps: Sequence[int], total_area: int, weight: float, max_
 
 
 def _horizon_for(item: _Item, tau: int, area: float) -> Optional[int]:
-    """Smallest stream offset ``x`` such that the ``tau`` tokens ending at ``x`` carry at least ``area``."""
-    n = item.length
+    """Smallest stream offset ``x`` such that the ``tau`` tokens ending at ``x`` carry at least ``area``.
+
+    The window's area ``W(x) = area_before(x) - area_before(x - tau)`` grows by ``density(x) - density(x - tau)``
+    per token, a constant while both ends stay inside one range (a token's density is its position + 1): ``W``
+    is piecewise linear with at most ``2 * len(ranges)`` pieces, so one walk over them finds ``x`` exactly.
+    """
     if tau == 0:
         return 0 if area <= 0 else None
-    if item.area_before(n) - item.area_before(n - tau) < area:
-        return None
-    if len(item.ranges) == 1:  # closed form: tau * (2 * (s + x) - tau + 1) / 2 >= area
-        s = item.ranges[0][0]
-        x = max(tau, math.ceil(area / tau + (tau - 1) / 2) - s)
-        while x > tau and causal_area(s + x - 1 - tau, s + x - 1) >= area:
-            x -= 1
-        while causal_area(s + x - tau, s + x) < area:
-            x += 1
+    x, window = tau, item.area_before(tau)
+    if window >= area:
         return x
-    lo, hi = tau, n
-    while lo < hi:
-        mid = (lo + hi) // 2
-        lo, hi = (lo, mid) if item.area_before(mid) - item.area_before(mid - tau) >= area else (mid + 1, hi)
-    return lo
-
-
-def _piece_start(item: _Item, tau: int, area: float, horizon: int) -> int:
-    """Smallest start ``p <= horizon - tau`` whose piece ``[p, p + tau)`` carries at least ``area`` (a piece's
-    area grows with its start; rounding to whole tokens errs by at most one token's density)."""
-    lo, hi = 0, max(0, horizon - tau)
-    while lo < hi:
-        mid = (lo + hi) // 2
-        lo, hi = (lo, mid) if item.area_before(mid + tau) - item.area_before(mid) >= area else (mid + 1, hi)
-    return lo
+    ranges, n = item.ranges, item.length
+    i = j = 0  # the ranges holding stream tokens x - tau (i) and x (j); o_i, o_j: their first offsets
+    o_i = o_j = 0
+    while x < n:
+        while x >= o_j + ranges[j][1] - ranges[j][0]:
+            o_j += ranges[j][1] - ranges[j][0]
+            j += 1
+        while x - tau >= o_i + ranges[i][1] - ranges[i][0]:
+            o_i += ranges[i][1] - ranges[i][0]
+            i += 1
+        end = min(o_j + ranges[j][1] - ranges[j][0], o_i + ranges[i][1] - ranges[i][0] + tau)
+        slope = (ranges[j][0] - o_j) - (ranges[i][0] - o_i) + tau
+        if window + slope * (end - x) >= area:
+            step = max(1, math.ceil((area - window) / slope))  # exact in integers despite float rounding:
+            step += -1 if step > 1 and window + slope * (step - 1) >= area else int(window + slope * step < area)
+            return x + step
+        window += slope * (end - x)
+        x = end
+    return None
 
 
 def _density_order(item: _Item) -> tuple:
@@ -239,8 +240,8 @@ class _Bisection:
             side = max((0, 1), key=lambda s: (self.missing[s] - self.pool.least(i + 1, self.room[s]), -s))
             x = max(0, item.length - self.room[side])
             best = (x, x, 0, 1 - side)
-        horizon, tau, area, holder = best
-        p = _piece_start(item, tau, area, horizon)
+        horizon, tau, _, holder = best
+        p = horizon - tau  # the piece ends at the horizon: the densest tau tokens below it
         self.put(holder, item.sub(p, p + tau))
         self.put(1 - holder, item.sub(0, p))
         self.put(1 - holder, item.sub(p + tau, item.length))
