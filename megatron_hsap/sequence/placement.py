@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import bisect
 import math
+from collections import Counter
 from typing import List, Optional, Sequence, Tuple
 
 import numpy as np
@@ -143,15 +144,18 @@ def _attention_targets(caps: Sequence[int], total_area: int, weight: float, max_
 
     Full bins get equal areas; a bin with tail padding gets more attention in place of the
     linear work of its missing tokens, but never more than ``max_density`` pairs per token.
+    Bins of equal capacity get equal areas, so the level is found over the (at most three) distinct ones.
     """
-    def fill(level: float) -> List[float]:
-        return [min(max(level - weight * c, 0.0), float(max_density * c)) for c in caps]
+    counts = Counter(caps)
+
+    def fill(level: float, c: int) -> float:
+        return min(max(level - weight * c, 0.0), float(max_density * c))
 
     lo, hi = 0.0, float(total_area) + weight * max(caps)
     for _ in range(100):
         mid = (lo + hi) / 2
-        lo, hi = (mid, hi) if sum(fill(mid)) < total_area else (lo, mid)
-    return fill(hi)
+        lo, hi = (mid, hi) if sum(k * fill(mid, c) for c, k in counts.items()) < total_area else (lo, mid)
+    return [fill(hi, c) for c in caps]
 
 
 def _horizon_for(item: _Item, tau: int, area: float) -> Optional[int]:
