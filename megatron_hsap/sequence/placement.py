@@ -33,6 +33,8 @@ from __future__ import annotations
 import bisect
 import math
 from collections import Counter
+from itertools import chain
+from operator import attrgetter
 from typing import List, Optional, Sequence, Tuple
 
 import numpy as np
@@ -193,7 +195,7 @@ def _horizon_for(item: _Item, tau: int, area: float) -> Optional[int]:
 
 def _density_order(item: _Item) -> tuple:
     """Sort key: decreasing density (area per token, on an integer scale: deterministic), then document."""
-    return (-item.area * (1 << 20) // item.length, item.doc, item.ranges)
+    return (-item.area * (1 << 20) // item.length, item.doc)  # a pool holds one item per document
 
 
 class _Bisection:
@@ -243,48 +245,45 @@ class _Bisection:
         if best is None:  # numerically at the edge: the side lacking more area takes the longest tail it has room for
             side = max((0, 1), key=lambda s: (self.missing[s] - self.pool.least(i + 1, self.room[s]), -s))
             x = max(0, item.length - self.room[side])
-            best = (x, x, 0, 1 - side)
-        horizon, tau, _, holder = best
+            best = (x, x, 1 - side)
+        horizon, tau, holder = best
         p = horizon - tau  # the piece ends at the horizon: the densest tau tokens below it
         self.put(holder, item.sub(p, p + tau))
         self.put(1 - holder, item.sub(0, p))
         self.put(1 - holder, item.sub(p + tau, item.length))
         return True
 
-    def _cheapest_cut(self, holder: int, i: int, item: _Item) -> Optional[Tuple[int, int, float]]:
+    def _cheapest_cut(self, holder: int, i: int, item: _Item) -> Optional[Tuple[int, int]]:
         """Cut of ``item`` giving ``holder`` a piece ``[p, p + tau)`` and the other side the rest (with the last
         token), feasible for both sides, with the smallest horizon ``p + tau`` (= key/value rows moved).
-        Returns (horizon, tau, area of the piece) or None.
+        Returns (horizon, tau) or None.
 
         For a given ``tau`` the piece's area can be anything between its head ``[0, tau)`` and the ``tau``
         tokens ending at the horizon, so the horizon needed is the smallest one whose densest piece reaches
         the least area that keeps ``holder`` feasible (prefix division). The horizon is not monotone in
-        ``tau``: a coarse scan and (between nodes) two refinements.
+        ``tau``: a coarse scan and (between nodes) two refinements, each ``tau`` evaluated once.
         """
-        n, other = item.length, 1 - holder
-        lo = max(0, n - self.room[other], self.room[holder] - self.pool.size(i))
-        hi = min(n, self.room[holder])
+        n, pool, room = item.length, self.pool, self.room[holder]
+        lo = max(0, n - self.room[1 - holder], room - pool.size(i))
+        hi = min(n, room)
         if lo > hi:
             return None
-
-        def horizon(tau: int) -> Optional[Tuple[int, int, float]]:
-            r = self.room[holder] - tau
-            least = float(item.area_before(tau))
-            if least > self.missing[holder] - self.pool.least(i, r) + self.slack:
-                return None
-            need = max(least, self.missing[holder] - self.pool.most(i, r))
-            x = _horizon_for(item, tau, need)
-            return None if x is None else (x, tau, need)
-
-        best = None
+        missing, slack = self.missing[holder], self.slack
+        best, seen = None, set()
         left, right = lo, hi
         for _ in range(self.rounds):
             step = max(1, (right - left) // 8)
-            taus = list(range(left, right + 1, step)) + [right]
-            for tau in taus:
-                found = horizon(tau)
-                if found is not None and (best is None or found < best):
-                    best = found
+            for tau in chain(range(left, right + 1, step), (right,)):
+                if tau in seen:
+                    continue
+                seen.add(tau)
+                head = item.area_before(tau)
+                if head > missing - pool.least(i, room - tau) + slack:
+                    continue
+                need = missing - pool.most(i, room - tau)
+                x = tau if need <= head else _horizon_for(item, tau, need)
+                if x is not None and (best is None or (x, tau) < best):
+                    best = (x, tau)
             if best is None or step == 1:
                 break
             left, right = max(lo, best[1] - step), min(hi, best[1] + step)
@@ -360,21 +359,22 @@ class _Bisection:
         """Undo cuts that only filled rooms: a document on both sides whose piece on one side is as long as a
         whole, uncut item on the other is reunited by swapping the two, when the areas stay within the slack."""
         sides = self.out
-        count: dict = {}
-        for side in sides:
-            for it in side:
-                count[it.doc] = count.get(it.doc, 0) + 1
+        # A document with two items anywhere is on both sides (a cut gives each side a piece).
+        split = {it.doc for it in sides[0]} & {it.doc for it in sides[1]}
+        if not split:
+            return
+        lengths = {it.length for side in sides for it in side if it.doc in split}
         by_length: List[dict] = [{}, {}]
         # Where each document's pieces are: a swap moves only the split document being mended and an uncut
         # item, so the positions of the split documents still to be visited never change.
         where: List[dict] = [{}, {}]
         for side in (0, 1):
             for k, it in enumerate(sides[side]):
-                where[side].setdefault(it.doc, []).append(k)
-                if count[it.doc] == 1:
+                if it.doc in split:
+                    where[side].setdefault(it.doc, []).append(k)
+                elif it.length in lengths:
                     by_length[side].setdefault(it.length, []).append(k)
-        split = sorted(set(where[0]) & set(where[1]))
-        for doc in split:
+        for doc in sorted(split):
             for home in (0, 1):
                 away = where[1 - home][doc]
                 if len(away) != 1:
@@ -483,8 +483,13 @@ def _leaves(groups: object) -> List[int]:
     return [b for g in groups for b in _leaves(g)]
 
 
+_doc_of = attrgetter("doc")
+
+
 def _merged(items: List[_Item]) -> List[_Item]:
     """One item per document with adjacent ranges merged, in document order (few, contiguous segments)."""
+    if len({it.doc for it in items}) == len(items):
+        return sorted(items, key=_doc_of)
     by_doc: dict = {}
     for it in items:
         by_doc.setdefault(it.doc, []).append(it)
