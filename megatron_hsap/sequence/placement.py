@@ -33,7 +33,7 @@ from __future__ import annotations
 import bisect
 import math
 from collections import Counter
-from itertools import chain
+from itertools import accumulate, chain
 from operator import attrgetter
 from typing import List, Optional, Sequence, Tuple
 
@@ -140,10 +140,8 @@ class _Pool:
 
     def __init__(self, items: List[_Item]) -> None:
         self.items = items
-        self.tokens, self.areas = [0], [0]
-        for it in items:
-            self.tokens.append(self.tokens[-1] + it.length)
-            self.areas.append(self.areas[-1] + it.area)
+        self.tokens = list(accumulate((it.length for it in items), initial=0))
+        self.areas = list(accumulate((it.area for it in items), initial=0))
 
     def size(self, i: int) -> int:
         return self.tokens[-1] - self.tokens[i]
@@ -251,12 +249,12 @@ class _Bisection:
         """Place heavy item ``i`` whole or cut; False (nothing placed) when it would be cut but has at most
         ``short`` tokens: such items are left to the light phase, which fills rooms without cutting."""
         item = self.pool.items[i]
-        whole = [s for s in (0, 1) if self.feasible(s, i + 1, item.length, item.area)]
-        if whole:
-            # The densest item left goes to the side whose remaining room needs the denser filling.
-            side = max(whole, key=lambda s: (self.missing[s] / self.room[s] if self.room[s] else 0.0, -s))
-            self.put(side, item)
-            return True
+        # The densest item left goes to the side whose remaining room needs the denser filling, if it can.
+        ratio = [self.missing[s] / self.room[s] if self.room[s] else 0.0 for s in (0, 1)]
+        for side in ((0, 1) if ratio[0] >= ratio[1] else (1, 0)):
+            if self.feasible(side, i + 1, item.length, item.area):
+                self.put(side, item)
+                return True
         if item.length <= short:
             return False
         best = None
