@@ -26,6 +26,10 @@ docs/sequence_aware.md has the full argument; in short, one bisection:
    density order: the left side takes a run of whole items whose area matches its
    missing area, and the token gap left at the end of the run is closed with the
    shortest items (a light item is cut only when no combination of short ones fits).
+5. Between nodes a bisection of few items first tries every subset of whole items for the left
+   side, with at most one cut, and keeps the one moving the fewest rows (``_exhaustive_bisection``):
+   the greedy steps cut at the cheapest cut *given the items placed so far*, which leaves a side at
+   the edge of feasibility and forces further cuts.
 """
 
 from __future__ import annotations
