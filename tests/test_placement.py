@@ -543,3 +543,6 @@ def test_few_items_between_nodes_are_split_by_trying_every_subset(monkeypatch) -
         exhaustive += _cut_rows(sides)
         greedy += _cut_rows(plain)
     assert exhaustive < greedy, (exhaustive, greedy)
+    # No subset within the slack and no item longer than a room left to fill: the greedy bisection decides.
+    ones = [placement_module._Item(d, ((0, 1),)) for d in range(3)]
+    assert placement_module._exhaustive_bisection(ones, (1, 2), (1.5, 1.5), 0.1) is None
