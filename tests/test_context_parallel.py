@@ -86,9 +86,9 @@ CONFIGS = [  # (world size, mode, ulysses size, ranks per node)
     (8, "ring", None, 4),
     (8, "ulysses", None, 4),  # all-to-all spanning the two emulated nodes
 ]
-# Node-level K/V forwarding: several ring members per node (pure ring of 4 per node over 2 nodes; Ulysses
-# pairs, 2 members per node over 2 nodes; 3 nodes of 2 ring members).
-FORWARDING_CONFIGS = [(8, "ring", None, 4), (8, "hybrid", 2, 4), (6, "ring", None, 2)]
+# Node-level K/V forwarding: several ring members per node (pure ring of 4 per node over 2 nodes; 3 nodes
+# of 2 ring members). Ulysses pairs with forwarding: tests/test_upipe.py.
+FORWARDING_CONFIGS = [(8, "ring", None, 4), (6, "ring", None, 2)]
 
 
 @pytest.mark.parametrize("world_size,mode,ulysses_size,ranks_per_node,kv_forwarding",

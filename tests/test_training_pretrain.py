@@ -102,8 +102,6 @@ def test_reference_trains(reference):
 
 
 @pytest.mark.parametrize("nproc, flags", [
-    pytest.param(2, ["--context-parallel-size", "2", "--context-parallel-mode", "ring", "--cp-layout", "zigzag"],
-                 id="ring-zigzag-cp2"),
     pytest.param(2, ["--context-parallel-size", "2", "--context-parallel-mode", "ulysses",
                      "--cp-layout", "sequence-aware"], id="ulysses-seqaware-cp2"),
     pytest.param(4, ["--context-parallel-size", "4", "--context-parallel-mode", "hybrid", "--ranks-per-node", "2",
