@@ -78,7 +78,7 @@ _VISITS = 32
 class _Item:
     """Some tokens of one document (``ranges``, increasing), seen as one stream of ``length`` tokens."""
 
-    __slots__ = ("doc", "ranges", "length", "area", "_offsets", "_areas")
+    __slots__ = ("doc", "ranges", "length", "area", "key", "_offsets", "_areas")
 
     def __init__(self, doc: int, ranges: Ranges) -> None:
         self.doc = doc
@@ -94,6 +94,9 @@ class _Item:
                 areas.append(areas[-1] + causal_area(s, e))
             self.length, self.area = offsets[-1], areas[-1]
             self._offsets, self._areas = offsets, areas
+        # Sort key, computed once (an item is sorted at every level below): decreasing density (area per token,
+        # on an integer scale: deterministic), then document (a pool holds one item per document).
+        self.key = (-self.area * (1 << 20) // self.length if self.length else 0, doc)
 
     def area_before(self, offset: int) -> int:
         """Causal area of the first ``offset`` tokens of the stream."""
@@ -218,21 +221,17 @@ def _horizon_for(item: _Item, tau: int, area: float) -> Optional[int]:
     return None
 
 
-def _density_order(item: _Item) -> tuple:
-    """Sort key: decreasing density (area per token, on an integer scale: deterministic), then document."""
-    return (-item.area * (1 << 20) // item.length, item.doc)  # a pool holds one item per document
-
-
 class _Bisection:
     """Two sides (0 = left, 1 = right) filled from one pool; see the module docstring."""
 
     def __init__(self, items: List[_Item], rooms: Tuple[int, int], targets: Tuple[float, float],
                  rounds: int) -> None:
         self.rounds = rounds
-        self.pool = _Pool(sorted(items, key=_density_order))
+        self.pool = _Pool(sorted(items, key=_key_of))
         self.room = list(rooms)
         self.missing = [float(t) for t in targets]
         self.out: List[List[_Item]] = [[], []]
+        self.cut: set = set()  # documents cut here: the only ones of which a side can hold several pieces
         # A side may end this far from its target: documents are not cut for a smaller gain.
         self.slack = _SLACK * min(targets) + 1e-5 * (sum(targets) + 1.0)
 
@@ -273,6 +272,7 @@ class _Bisection:
             best = (x, x, 1 - side)
         horizon, tau, holder = best
         p = horizon - tau  # the piece ends at the horizon: the densest tau tokens below it
+        self.cut.add(item.doc)
         self.put(holder, item.sub(p, p + tau))
         self.put(1 - holder, item.sub(0, p))
         self.put(1 - holder, item.sub(p + tau, item.length))
@@ -359,7 +359,8 @@ class _Bisection:
             gap -= items[k].length
             k += 1
         if gap:  # close the gap with the longest items left that fit (the run may have used the shortest)
-            for m in sorted((m for m in range(i, n) if not taken[m]), key=lambda m: (-items[m].length, m)):
+            for m in sorted((m for m in range(i, n) if not taken[m] and items[m].length <= gap),
+                            key=lambda m: (-items[m].length, m)):
                 if items[m].length <= gap:
                     taken[m] = True
                     gap -= items[m].length
@@ -374,6 +375,7 @@ class _Bisection:
         for m in range(i, n):
             if m == cut:
                 it = items[m]
+                self.cut.add(it.doc)
                 self.put(0, it.sub(it.length - gap, it.length))
                 self.put(1, it.sub(0, it.length - gap))
             else:
@@ -463,7 +465,7 @@ def _least_end(length: np.ndarray, area: np.ndarray) -> np.ndarray:
 def _exhaustive_bisection(items: List[_Item], rooms: Tuple[int, int], targets: Tuple[float, float],
                           slack: float) -> Optional[List[List[_Item]]]:
     """The cheapest split of a few items with at most one cut, over every subset of whole items for the left
-    side; None when none is within ``slack`` of the targets.
+    side (one item per document on each side); None when none is within ``slack`` of the targets.
 
     The greedy bisection cuts the item that fits neither side at its cheapest cut *given the items placed
     before it*, which leaves the sides at the edge of feasibility and forces more cuts later (three documents
@@ -472,6 +474,7 @@ def _exhaustive_bisection(items: List[_Item], rooms: Tuple[int, int], targets: T
     subsets at once (numpy), then for each item the subsets it would complete by a cut, feasible when the
     missing area lies between the area of its first and last ``tau`` tokens; candidates are visited by a lower
     bound on their rows (``_least_end``, exact for a whole document; at most ``_VISITS``), stopping at the best."""
+    items = sorted(items, key=_doc_of)  # ties between subsets go to the same one whatever the items' order
     n = len(items)
     masks = (np.arange(1 << n)[:, None] >> np.arange(n)) & 1
     tokens, areas = np.zeros(1, dtype=np.int64), np.zeros(1)
@@ -519,7 +522,9 @@ def _exhaustive_bisection(items: List[_Item], rooms: Tuple[int, int], targets: T
     for k, it in enumerate(items):
         if k == c:
             sides[holder].append(it.sub(p, x))
-            sides[1 - holder] += [piece for piece in (it.sub(0, p), it.sub(x, it.length)) if piece.length]
+            rest = it.sub(0, p).ranges + it.sub(x, it.length).ranges  # head and tail: one item (one per document)
+            if rest:
+                sides[1 - holder].append(_Item(it.doc, rest))
         else:
             sides[0 if masks[m, k] else 1].append(it)
     return sides
@@ -537,7 +542,7 @@ def _bisect_items(items: List[_Item], rooms: Tuple[int, int], targets: Tuple[flo
     if between_nodes and len(items) <= _EXHAUSTIVE:
         sides = _exhaustive_bisection(items, rooms, targets, state.slack)
         if sides is not None:
-            return [_merged(side) for side in sides]
+            return sides
     pool = state.pool.items
     heavy = _HEAVY * max(1.0, min(targets))
     # Items are placed one by one up to the last heavy one; the rest are dealt as a window.
@@ -545,11 +550,11 @@ def _bisect_items(items: List[_Item], rooms: Tuple[int, int], targets: Tuple[flo
     short = max(int(_SHORT * min(rooms)), _SHORT_TOKENS) if between_nodes else 0
     deferred = [pool[k] for k in range(end) if not state.place_heavy(k, short)]
     if deferred:  # one light pool in density order again
-        state.pool = _Pool(sorted(deferred + pool[end:], key=_density_order))
+        state.pool = _Pool(sorted(deferred + pool[end:], key=_key_of))
         end = 0
     state.place_light(end)
     state.mend_cuts()
-    return [_merged(side) for side in state.out]
+    return [_merged(side, state.cut) for side in state.out]
 
 
 def _split(items: List[_Item], groups: list, caps: Sequence[int], targets: Sequence[float]) -> List[List[_Item]]:
@@ -583,23 +588,26 @@ def _leaves(groups: object) -> List[int]:
     return [b for g in groups for b in _leaves(g)]
 
 
-_doc_of = attrgetter("doc")
+_doc_of, _key_of = attrgetter("doc"), attrgetter("key")
 
 
-def _merged(items: List[_Item]) -> List[_Item]:
-    """One item per document with adjacent ranges merged, in document order (few, contiguous segments)."""
-    if len({it.doc for it in items}) == len(items):
-        return sorted(items, key=_doc_of)
-    by_doc: dict = {}
+def _merged(items: List[_Item], cut: set) -> List[_Item]:
+    """One item per document (what a pool holds): the pieces of each document in ``cut`` (the only documents
+    a side can hold several pieces of) become one item, adjacent ranges merged (few, contiguous segments)."""
+    if not cut:
+        return items
+    out, pieces = [], {}
     for it in items:
-        by_doc.setdefault(it.doc, []).append(it)
-    out = []
-    for doc in sorted(by_doc):
-        if len(by_doc[doc]) == 1:
-            out.append(by_doc[doc][0])
+        if it.doc in cut:
+            pieces.setdefault(it.doc, []).append(it)
+        else:
+            out.append(it)
+    for doc, parts in pieces.items():
+        if len(parts) == 1:
+            out.append(parts[0])
             continue
         ranges: List[List[int]] = []
-        for s, e in sorted(r for it in by_doc[doc] for r in it.ranges):
+        for s, e in sorted(r for it in parts for r in it.ranges):
             if ranges and ranges[-1][1] == s:
                 ranges[-1][1] = e
             else:
@@ -657,7 +665,8 @@ def sequence_aware_table(doc_lengths: Sequence[int], *, ring_size: int, ulysses_
     nodes = [list(range(m, min(m + ring_members_per_node, ring_size)))
              for m in range(0, ring_size, ring_members_per_node)]
     members = _split(docs, nodes, caps, targets)
-    # Each member's stream: its documents in index order, each document's pieces merged.
-    rows = [(m, it.doc, s, e) for m, items in enumerate(members) for it in _merged(items) for s, e in it.ranges]
+    # Each member's stream: its documents in index order (one item each), each item's ranges in order.
+    rows = [(m, it.doc, s, e) for m, items in enumerate(members) for it in sorted(items, key=_doc_of)
+            for s, e in it.ranges]
     member, doc, start, end = np.array(rows, dtype=np.int64).reshape(-1, 4).T
     return split_streams(member, doc, start, end, ulysses_size, tokens_per_rank)
