@@ -49,6 +49,8 @@ from megatron_hsap.sequence.layouts import Segment, split_streams, table_segment
 __all__ = ["sequence_aware_placement", "sequence_aware_table"]
 
 Ranges = Tuple[Tuple[int, int], ...]  # disjoint, increasing in-document ranges of one document
+_doc_of, _key_of = attrgetter("doc"), attrgetter("key")
+_length_of, _area_of = attrgetter("length"), attrgetter("area")
 
 # Items whose area is above this fraction of the smaller side's target are placed one by one (step 3);
 # the others are dealt as a window (step 4), whose area error is at most about one such item.
@@ -148,8 +150,8 @@ class _Pool:
 
     def __init__(self, items: List[_Item]) -> None:
         self.items = items
-        self.tokens = list(accumulate((it.length for it in items), initial=0))
-        self.areas = list(accumulate((it.area for it in items), initial=0))
+        self.tokens = list(accumulate(map(_length_of, items), initial=0))
+        self.areas = list(accumulate(map(_area_of, items), initial=0))
 
     def size(self, i: int) -> int:
         return self.tokens[-1] - self.tokens[i]
@@ -243,11 +245,15 @@ class _Bisection:
         need = self.missing[side] - area
         return self.pool.least(i, r) - self.slack <= need <= self.pool.most(i, r) + self.slack
 
-    def put(self, side: int, item: _Item) -> None:
-        if item.length:
-            self.out[side].append(item)
-            self.room[side] -= item.length
-            self.missing[side] -= item.area
+    def put(self, side: int, items: Sequence[_Item]) -> None:
+        """Give ``items`` (in order: a side's float bookkeeping is the same however its items are batched)."""
+        out, room, missing = self.out[side], self.room[side], self.missing[side]
+        for it in items:
+            if it.length:
+                out.append(it)
+                room -= it.length
+                missing -= it.area
+        self.room[side], self.missing[side] = room, missing
 
     def place_heavy(self, i: int, short: int) -> bool:
         """Place heavy item ``i`` whole or cut; False (nothing placed) when it would be cut but has at most
@@ -257,7 +263,7 @@ class _Bisection:
         ratio = [self.missing[s] / self.room[s] if self.room[s] else 0.0 for s in (0, 1)]
         for side in ((0, 1) if ratio[0] >= ratio[1] else (1, 0)):
             if self.feasible(side, i + 1, item.length, item.area):
-                self.put(side, item)
+                self.put(side, (item,))
                 return True
         if item.length <= short:
             return False
@@ -273,9 +279,8 @@ class _Bisection:
         horizon, tau, holder = best
         p = horizon - tau  # the piece ends at the horizon: the densest tau tokens below it
         self.cut.add(item.doc)
-        self.put(holder, item.sub(p, p + tau))
-        self.put(1 - holder, item.sub(0, p))
-        self.put(1 - holder, item.sub(p + tau, item.length))
+        self.put(holder, (item.sub(p, p + tau),))
+        self.put(1 - holder, (item.sub(0, p), item.sub(p + tau, item.length)))
         return True
 
     def _cheapest_cut(self, holder: int, i: int, item: _Item) -> Optional[Tuple[int, int]]:
@@ -299,6 +304,8 @@ class _Bisection:
         for _ in range(self.rounds):
             step = max(1, (right - left) // 8)
             for tau in chain(range(left, right + 1, step), (right,)):
+                if best is not None and tau >= best[0]:  # the horizon is at least tau: no better cut from here
+                    break
                 if tau in seen:
                     continue
                 seen.add(tau)
@@ -320,12 +327,10 @@ class _Bisection:
         items = pool.items
         n = len(items)
         if room == 0 or i == n:
-            for it in items[i:]:
-                self.put(1, it)
+            self.put(1, items[i:])
             return
         if room >= pool.size(i):
-            for it in items[i:]:
-                self.put(0, it)
+            self.put(0, items[i:])
             return
         taken = [False] * n
         # The shortest items (2 % of the tokens) are shared in proportion to the rooms: both sides keep short
@@ -372,14 +377,17 @@ class _Bisection:
         cut = None
         if gap:  # no combination fits: cut the shortest item left that is longer than the gap
             cut = next(m for m in range(n - 1, i - 1, -1) if not taken[m] and items[m].length > gap)
+        sides: List[List[_Item]] = [[], []]
         for m in range(i, n):
             if m == cut:
                 it = items[m]
                 self.cut.add(it.doc)
-                self.put(0, it.sub(it.length - gap, it.length))
-                self.put(1, it.sub(0, it.length - gap))
+                sides[0].append(it.sub(it.length - gap, it.length))
+                sides[1].append(it.sub(0, it.length - gap))
             else:
-                self.put(0 if taken[m] else 1, items[m])
+                sides[0 if taken[m] else 1].append(items[m])
+        self.put(0, sides[0])
+        self.put(1, sides[1])
 
 
     def mend_cuts(self) -> None:
@@ -576,7 +584,7 @@ def _split(items: List[_Item], groups: list, caps: Sequence[int], targets: Seque
     for side, leaves in zip(sides, (lb, rb)):
         wanted = sum(targets[b] for b in leaves)
         if wanted > 0:
-            factor = sum(it.area for it in side) / wanted
+            factor = sum(map(_area_of, side)) / wanted
             for b in leaves:
                 scaled[b] = targets[b] * factor
     return _split(sides[0], left, caps, scaled) + _split(sides[1], right, caps, scaled)
@@ -587,8 +595,6 @@ def _leaves(groups: object) -> List[int]:
         return [groups]
     return [b for g in groups for b in _leaves(g)]
 
-
-_doc_of, _key_of = attrgetter("doc"), attrgetter("key")
 
 
 def _merged(items: List[_Item], cut: set) -> List[_Item]:
