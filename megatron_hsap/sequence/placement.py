@@ -239,11 +239,11 @@ class _Bisection:
 
     def feasible(self, side: int, i: int, tokens: int, area: float) -> bool:
         """Whether ``side`` can still meet its target after taking (tokens, area), filled from ``items[i:]``."""
-        r = self.room[side] - tokens
-        if r < 0 or r > self.pool.size(i):
+        pool, r = self.pool, self.room[side] - tokens
+        if r < 0 or r > pool.tokens[-1] - pool.tokens[i]:
             return False
         need = self.missing[side] - area
-        return self.pool.least(i, r) - self.slack <= need <= self.pool.most(i, r) + self.slack
+        return pool.least(i, r) - self.slack <= need <= pool.most(i, r) + self.slack
 
     def put(self, side: int, items: Sequence[_Item]) -> None:
         """Give ``items`` (in order: a side's float bookkeeping is the same however its items are batched)."""
@@ -260,8 +260,8 @@ class _Bisection:
         ``short`` tokens: such items are left to the light phase, which fills rooms without cutting."""
         item = self.pool.items[i]
         # The densest item left goes to the side whose remaining room needs the denser filling, if it can.
-        ratio = [self.missing[s] / self.room[s] if self.room[s] else 0.0 for s in (0, 1)]
-        for side in ((0, 1) if ratio[0] >= ratio[1] else (1, 0)):
+        (m0, m1), (r0, r1) = self.missing, self.room
+        for side in ((0, 1) if (m0 / r0 if r0 else 0.0) >= (m1 / r1 if r1 else 0.0) else (1, 0)):
             if self.feasible(side, i + 1, item.length, item.area):
                 self.put(side, (item,))
                 return True
@@ -554,7 +554,9 @@ def _bisect_items(items: List[_Item], rooms: Tuple[int, int], targets: Tuple[flo
     pool = state.pool.items
     heavy = _HEAVY * max(1.0, min(targets))
     # Items are placed one by one up to the last heavy one; the rest are dealt as a window.
-    end = max((k + 1 for k, it in enumerate(pool) if it.area > heavy), default=0)
+    end = len(pool)
+    while end and pool[end - 1].area <= heavy:
+        end -= 1
     short = max(int(_SHORT * min(rooms)), _SHORT_TOKENS) if between_nodes else 0
     deferred = [pool[k] for k in range(end) if not state.place_heavy(k, short)]
     if deferred:  # one light pool in density order again
