@@ -158,11 +158,12 @@ class _Pool:
 
     def _area_upto(self, position: int) -> float:
         """Area of the first ``position`` tokens of the whole density order."""
-        j = bisect.bisect_right(self.tokens, position) - 1
-        if j >= len(self.items):
-            return float(self.areas[-1])
+        tokens, areas = self.tokens, self.areas
+        j = bisect.bisect_right(tokens, position) - 1
+        if j == len(self.items):
+            return float(areas[-1])
         it = self.items[j]
-        return self.areas[j] + (position - self.tokens[j]) * it.area / it.length
+        return areas[j] + (position - tokens[j]) * it.area / it.length
 
     def most(self, i: int, r: int) -> float:
         return self._area_upto(self.tokens[i] + r) - self.areas[i]
@@ -332,17 +333,17 @@ class _Bisection:
         if room >= pool.size(i):
             self.put(0, items[i:])
             return
-        taken = [False] * n
+        taken, lengths = [False] * n, list(map(_length_of, items))
         # The shortest items (2 % of the tokens) are shared in proportion to the rooms: both sides keep short
         # documents for filling their bins exactly at the next level.
         total, tiny, t = pool.size(i), 0, n
-        while t > i + 1 and tiny + items[t - 1].length <= _TINY * total:
+        while t > i + 1 and tiny + lengths[t - 1] <= _TINY * total:
             t -= 1
-            tiny += items[t].length
+            tiny += lengths[t]
         shares = [0, 0]
         for m in range(n - 1, t - 1, -1):
-            side = 0 if shares[0] * self.room[1] <= shares[1] * room and shares[0] + items[m].length <= room else 1
-            shares[side] += items[m].length
+            side = 0 if shares[0] * self.room[1] <= shares[1] * room and shares[0] + lengths[m] <= room else 1
+            shares[side] += lengths[m]
             taken[m] = side == 0
         gap = room - shares[0]
         target = self.missing[0] - sum(items[m].area for m in range(t, n) if taken[m])
@@ -359,24 +360,25 @@ class _Bisection:
             lo, hi = (mid, hi) if window(mid) >= target else (lo, mid)
         j = lo if abs(window(lo) - target) <= abs(window(hi) - target) else hi
         k = j
-        while k < t and items[k].length <= gap:
+        while k < t and lengths[k] <= gap:
             taken[k] = True
-            gap -= items[k].length
+            gap -= lengths[k]
             k += 1
-        if gap:  # close the gap with the longest items left that fit (the run may have used the shortest)
-            for m in sorted((m for m in range(i, n) if not taken[m] and items[m].length <= gap),
-                            key=lambda m: (-items[m].length, m)):
-                if items[m].length <= gap:
+        if gap:  # close the gap with the longest items left that fit (the run may have used the shortest);
+            # a stable sort of increasing indices, reversed: by decreasing length, then increasing index
+            for m in sorted((m for m in range(i, n) if not taken[m] and lengths[m] <= gap),
+                            key=lengths.__getitem__, reverse=True):
+                if lengths[m] <= gap:
                     taken[m] = True
-                    gap -= items[m].length
+                    gap -= lengths[m]
                     if gap == 0:
                         break
         if gap:  # or exchange items: one or two untaken ones in, one or two taken ones out, `gap` tokens more
             gap = _exchange([m for m in range(i, n) if taken[m]], [m for m in range(i, n) if not taken[m]],
-                            items, taken, gap)
+                            lengths, taken, gap)
         cut = None
         if gap:  # no combination fits: cut the shortest item left that is longer than the gap
-            cut = next(m for m in range(n - 1, i - 1, -1) if not taken[m] and items[m].length > gap)
+            cut = next(m for m in range(n - 1, i - 1, -1) if not taken[m] and lengths[m] > gap)
         sides: List[List[_Item]] = [[], []]
         for m in range(i, n):
             if m == cut:
@@ -430,14 +432,16 @@ class _Bisection:
                 break
 
 
-def _exchange(inside: List[int], outside: List[int], items: List[_Item], taken: List[bool], gap: int) -> int:
+def _exchange(inside: List[int], outside: List[int], lengths: List[int], taken: List[bool], gap: int) -> int:
     """Swap the shortest few items so that ``taken`` gains exactly ``gap`` tokens: u - t, u1 + u2 - t or
-    u - t1 - t2 = gap (u: items not taken, t: taken). Returns the gap left (0 on success)."""
-    inside = sorted(inside, key=lambda m: (items[m].length, m))[:_EXCHANGE]
-    outside = sorted(outside, key=lambda m: (items[m].length, m))[:_EXCHANGE]
+    u - t1 - t2 = gap (u: items not taken, t: taken; ``inside`` / ``outside``: increasing indices of the taken /
+    untaken items). Returns the gap left (0 on success)."""
+    # Stable sorts of increasing indices by length: (length, index) order.
+    inside = sorted(inside, key=lengths.__getitem__)[:_EXCHANGE]
+    outside = sorted(outside, key=lengths.__getitem__)[:_EXCHANGE]
     by_length: dict = {}
     for m in inside:
-        by_length.setdefault(items[m].length, []).append(m)
+        by_length.setdefault(lengths[m], []).append(m)
 
     def swap(ins: Sequence[int], outs: Sequence[int]) -> int:
         for m in ins:
@@ -447,17 +451,17 @@ def _exchange(inside: List[int], outside: List[int], items: List[_Item], taken: 
         return 0
 
     for u in outside:
-        t = by_length.get(items[u].length - gap)
+        t = by_length.get(lengths[u] - gap)
         if t:
             return swap([u], [t[0]])
     for x, u1 in enumerate(outside):
         for u2 in outside[x + 1:]:
-            t = by_length.get(items[u1].length + items[u2].length - gap)
+            t = by_length.get(lengths[u1] + lengths[u2] - gap)
             if t:
                 return swap([u1, u2], [t[0]])
     for u in outside:
         for t1 in inside:
-            rest = items[u].length - gap - items[t1].length
+            rest = lengths[u] - gap - lengths[t1]
             t2 = next((m for m in by_length.get(rest, []) if m != t1), None)
             if t2 is not None:
                 return swap([u], [t1, t2])
