@@ -270,7 +270,7 @@ class _Bisection:
             return False
         best = None
         for holder in (0, 1):  # the side that will not hold the item's last token
-            cut = self._cheapest_cut(holder, i + 1, item)
+            cut = self._cheapest_cut(holder, i + 1, item, best[0] if best and self.rounds == 1 else None)
             if cut is not None and (best is None or cut[0] < best[0]):
                 best = cut + (holder,)
         if best is None:  # numerically at the edge: the side lacking more area takes the longest tail it has room for
@@ -284,10 +284,11 @@ class _Bisection:
         self.put(1 - holder, (item.sub(0, p), item.sub(p + tau, item.length)))
         return True
 
-    def _cheapest_cut(self, holder: int, i: int, item: _Item) -> Optional[Tuple[int, int]]:
+    def _cheapest_cut(self, holder: int, i: int, item: _Item, beat: Optional[int]) -> Optional[Tuple[int, int]]:
         """Cut of ``item`` giving ``holder`` a piece ``[p, p + tau)`` and the other side the rest (with the last
         token), feasible for both sides, with the smallest horizon ``p + tau`` (= key/value rows moved).
-        Returns (horizon, tau) or None.
+        Returns (horizon, tau) or None. ``beat``: only a horizon below it is wanted (the other holder's), so a
+        single scan (refinements are centred on the best tau found: they need all of the first scan) stops there.
 
         For a given ``tau`` the piece's area can be anything between its head ``[0, tau)`` and the ``tau``
         tokens ending at the horizon, so the horizon needed is the smallest one whose densest piece reaches
@@ -305,7 +306,8 @@ class _Bisection:
         for _ in range(self.rounds):
             step = max(1, (right - left) // 8)
             for tau in chain(range(left, right + 1, step), (right,)):
-                if best is not None and tau >= best[0]:  # the horizon is at least tau: no better cut from here
+                # The horizon is at least tau: no better cut from here.
+                if (best is not None and tau >= best[0]) or (beat is not None and tau >= beat):
                     break
                 if tau in seen:
                     continue
