@@ -500,14 +500,18 @@ def _exhaustive_bisection(items: List[_Item], rooms: Tuple[int, int], targets: T
         chosen = masks[exact[np.argmin(error[exact])]]
         return [[it for it, b in zip(items, chosen) if b == side] for side in (1, 0)]
     room = rooms[0] - tokens
-    # (subset, item) pairs where the item, not in the subset, would fill the room by a cut: one 2-D test.
-    pairs, cuts = np.nonzero((masks == 0) & (room[:, None] > 0)
-                             & (room[:, None] < np.array([it.length for it in items])[None, :]))
+    # (item, subset) pairs where the item, not in the subset, would fill the room by a cut: one 2-D test,
+    # grouped by item (each item's subsets increasing).
+    cuts, pairs = np.nonzero(((masks == 0) & (room[:, None] > 0)
+                              & (room[:, None] < np.array([it.length for it in items])[None, :])).T)
+    first = np.searchsorted(cuts, np.arange(n + 1)).tolist()
     bounds, subsets, cut = [], [], []
-    for c in np.unique(cuts).tolist():
-        it, ok = items[c], pairs[cuts == c]
+    for c in (c for c in range(n) if first[c] < first[c + 1]):
+        it, ok = items[c], pairs[first[c]:first[c + 1]]
         tau, missing = room[ok], targets[0] - areas[ok]
-        fits = (it.areas_before(tau) - slack <= missing) & (missing <= it.area - it.areas_before(it.length - tau) + slack)
+        heads = it.areas_before(np.concatenate([tau, it.length - tau]))
+        head, rest = heads[:len(tau)], heads[len(tau):]  # the areas of [0, tau) and [0, L - tau)
+        fits = (head - slack <= missing) & (missing <= it.area - rest + slack)
         tau, missing = tau[fits], missing[fits]
         bounds.append(np.minimum(_least_end(tau, missing - slack / 2), _least_end(it.length - tau, it.area - missing - slack / 2)))
         subsets.append(ok[fits])
