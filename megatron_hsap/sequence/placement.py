@@ -191,8 +191,9 @@ def _attention_targets(caps: Sequence[int], total_area: int, weight: float, max_
     return [fill(hi, c) for c in caps]
 
 
-def _horizon_for(item: _Item, tau: int, area: float) -> Optional[int]:
-    """Smallest stream offset ``x`` such that the ``tau`` tokens ending at ``x`` carry at least ``area``.
+def _horizon_for(item: _Item, tau: int, area: float, head: Optional[int] = None) -> Optional[int]:
+    """Smallest stream offset ``x`` such that the ``tau`` tokens ending at ``x`` carry at least ``area``
+    (``head``: ``item.area_before(tau)`` where the caller has it).
 
     The window's area ``W(x) = area_before(x) - area_before(x - tau)`` grows by ``density(x) - density(x - tau)``
     per token, a constant while both ends stay inside one range (a token's density is its position + 1): ``W``
@@ -200,7 +201,7 @@ def _horizon_for(item: _Item, tau: int, area: float) -> Optional[int]:
     """
     if tau == 0:
         return 0 if area <= 0 else None
-    x, window = tau, item.area_before(tau)
+    x, window = tau, item.area_before(tau) if head is None else head
     if window >= area:
         return x
     ranges, n = item.ranges, item.length
@@ -301,24 +302,25 @@ class _Bisection:
         if lo > hi:
             return None
         missing, slack = self.missing[holder], self.slack
+        least, most, area_before = pool.least, pool.most, item.area_before
         best, seen = None, set()
+        limit = hi + 1 if beat is None else beat  # the horizon is at least tau: no better cut from tau = limit on
         left, right = lo, hi
         for _ in range(self.rounds):
             step = max(1, (right - left) // 8)
             for tau in chain(range(left, right + 1, step), (right,)):
-                # The horizon is at least tau: no better cut from here.
-                if (best is not None and tau >= best[0]) or (beat is not None and tau >= beat):
+                if tau >= limit:
                     break
                 if tau in seen:
                     continue
                 seen.add(tau)
-                head = item.area_before(tau)
-                if head > missing - pool.least(i, room - tau) + slack:
+                head = area_before(tau)
+                if head > missing - least(i, room - tau) + slack:
                     continue
-                need = missing - pool.most(i, room - tau)
-                x = tau if need <= head else _horizon_for(item, tau, need)
+                need = missing - most(i, room - tau)
+                x = tau if need <= head else _horizon_for(item, tau, need, head)
                 if x is not None and (best is None or (x, tau) < best):
-                    best = (x, tau)
+                    best, limit = (x, tau), min(limit, x)
             if best is None or step == 1:
                 break
             left, right = max(lo, best[1] - step), min(hi, best[1] + step)
@@ -528,7 +530,8 @@ def _exhaustive_bisection(items: List[_Item], rooms: Tuple[int, int], targets: T
         missing = targets[0] - float(areas[m])
         for holder, length, area in ((0, tau, missing - slack / 2), (1, it.length - tau, it.area - missing - slack / 2)):
             # The holder gets `length` tokens carrying at least `area`, the least end position possible.
-            x = _horizon_for(it, length, max(float(it.area_before(length)), area))
+            head = it.area_before(length)
+            x = _horizon_for(it, length, max(float(head), area), head)
             if x is not None:
                 cost = it.end_position(x)
                 if best is None or cost < best[0]:
