@@ -49,6 +49,8 @@ from megatron_hsap.sequence.layouts import Segment, split_streams, table_segment
 __all__ = ["sequence_aware_placement", "sequence_aware_table"]
 
 Ranges = Tuple[Tuple[int, int], ...]  # disjoint, increasing in-document ranges of one document
+_doc_of, _key_of = attrgetter("doc"), attrgetter("key")
+_length_of, _area_of = attrgetter("length"), attrgetter("area")
 
 # Items whose area is above this fraction of the smaller side's target are placed one by one (step 3);
 # the others are dealt as a window (step 4), whose area error is at most about one such item.
@@ -78,7 +80,7 @@ _VISITS = 32
 class _Item:
     """Some tokens of one document (``ranges``, increasing), seen as one stream of ``length`` tokens."""
 
-    __slots__ = ("doc", "ranges", "length", "area", "_offsets", "_areas")
+    __slots__ = ("doc", "ranges", "length", "area", "key", "_offsets", "_areas")
 
     def __init__(self, doc: int, ranges: Ranges) -> None:
         self.doc = doc
@@ -94,6 +96,9 @@ class _Item:
                 areas.append(areas[-1] + causal_area(s, e))
             self.length, self.area = offsets[-1], areas[-1]
             self._offsets, self._areas = offsets, areas
+        # Sort key, computed once (an item is sorted at every level below): decreasing density (area per token,
+        # on an integer scale: deterministic), then document (a pool holds one item per document).
+        self.key = (-self.area * (1 << 20) // self.length if self.length else 0, doc)
 
     def area_before(self, offset: int) -> int:
         """Causal area of the first ``offset`` tokens of the stream."""
@@ -145,19 +150,20 @@ class _Pool:
 
     def __init__(self, items: List[_Item]) -> None:
         self.items = items
-        self.tokens = list(accumulate((it.length for it in items), initial=0))
-        self.areas = list(accumulate((it.area for it in items), initial=0))
+        self.tokens = list(accumulate(map(_length_of, items), initial=0))
+        self.areas = list(accumulate(map(_area_of, items), initial=0))
 
     def size(self, i: int) -> int:
         return self.tokens[-1] - self.tokens[i]
 
     def _area_upto(self, position: int) -> float:
         """Area of the first ``position`` tokens of the whole density order."""
-        j = bisect.bisect_right(self.tokens, position) - 1
-        if j >= len(self.items):
-            return float(self.areas[-1])
+        tokens, areas = self.tokens, self.areas
+        j = bisect.bisect_right(tokens, position) - 1
+        if j == len(self.items):
+            return float(areas[-1])
         it = self.items[j]
-        return self.areas[j] + (position - self.tokens[j]) * it.area / it.length
+        return areas[j] + (position - tokens[j]) * it.area / it.length
 
     def most(self, i: int, r: int) -> float:
         return self._area_upto(self.tokens[i] + r) - self.areas[i]
@@ -185,8 +191,9 @@ def _attention_targets(caps: Sequence[int], total_area: int, weight: float, max_
     return [fill(hi, c) for c in caps]
 
 
-def _horizon_for(item: _Item, tau: int, area: float) -> Optional[int]:
-    """Smallest stream offset ``x`` such that the ``tau`` tokens ending at ``x`` carry at least ``area``.
+def _horizon_for(item: _Item, tau: int, area: float, head: Optional[int] = None) -> Optional[int]:
+    """Smallest stream offset ``x`` such that the ``tau`` tokens ending at ``x`` carry at least ``area``
+    (``head``: ``item.area_before(tau)`` where the caller has it).
 
     The window's area ``W(x) = area_before(x) - area_before(x - tau)`` grows by ``density(x) - density(x - tau)``
     per token, a constant while both ends stay inside one range (a token's density is its position + 1): ``W``
@@ -194,7 +201,7 @@ def _horizon_for(item: _Item, tau: int, area: float) -> Optional[int]:
     """
     if tau == 0:
         return 0 if area <= 0 else None
-    x, window = tau, item.area_before(tau)
+    x, window = tau, item.area_before(tau) if head is None else head
     if window >= area:
         return x
     ranges, n = item.ranges, item.length
@@ -218,53 +225,53 @@ def _horizon_for(item: _Item, tau: int, area: float) -> Optional[int]:
     return None
 
 
-def _density_order(item: _Item) -> tuple:
-    """Sort key: decreasing density (area per token, on an integer scale: deterministic), then document."""
-    return (-item.area * (1 << 20) // item.length, item.doc)  # a pool holds one item per document
-
-
 class _Bisection:
     """Two sides (0 = left, 1 = right) filled from one pool; see the module docstring."""
 
     def __init__(self, items: List[_Item], rooms: Tuple[int, int], targets: Tuple[float, float],
                  rounds: int) -> None:
         self.rounds = rounds
-        self.pool = _Pool(sorted(items, key=_density_order))
+        self.pool = _Pool(sorted(items, key=_key_of))
         self.room = list(rooms)
         self.missing = [float(t) for t in targets]
         self.out: List[List[_Item]] = [[], []]
+        self.cut: set = set()  # documents cut here: the only ones of which a side can hold several pieces
         # A side may end this far from its target: documents are not cut for a smaller gain.
         self.slack = _SLACK * min(targets) + 1e-5 * (sum(targets) + 1.0)
 
     def feasible(self, side: int, i: int, tokens: int, area: float) -> bool:
         """Whether ``side`` can still meet its target after taking (tokens, area), filled from ``items[i:]``."""
-        r = self.room[side] - tokens
-        if r < 0 or r > self.pool.size(i):
+        pool, r = self.pool, self.room[side] - tokens
+        if r < 0 or r > pool.tokens[-1] - pool.tokens[i]:
             return False
         need = self.missing[side] - area
-        return self.pool.least(i, r) - self.slack <= need <= self.pool.most(i, r) + self.slack
+        return pool.least(i, r) - self.slack <= need <= pool.most(i, r) + self.slack
 
-    def put(self, side: int, item: _Item) -> None:
-        if item.length:
-            self.out[side].append(item)
-            self.room[side] -= item.length
-            self.missing[side] -= item.area
+    def put(self, side: int, items: Sequence[_Item]) -> None:
+        """Give ``items`` (in order: a side's float bookkeeping is the same however its items are batched)."""
+        out, room, missing = self.out[side], self.room[side], self.missing[side]
+        for it in items:
+            if it.length:
+                out.append(it)
+                room -= it.length
+                missing -= it.area
+        self.room[side], self.missing[side] = room, missing
 
     def place_heavy(self, i: int, short: int) -> bool:
         """Place heavy item ``i`` whole or cut; False (nothing placed) when it would be cut but has at most
         ``short`` tokens: such items are left to the light phase, which fills rooms without cutting."""
         item = self.pool.items[i]
         # The densest item left goes to the side whose remaining room needs the denser filling, if it can.
-        ratio = [self.missing[s] / self.room[s] if self.room[s] else 0.0 for s in (0, 1)]
-        for side in ((0, 1) if ratio[0] >= ratio[1] else (1, 0)):
+        (m0, m1), (r0, r1) = self.missing, self.room
+        for side in ((0, 1) if (m0 / r0 if r0 else 0.0) >= (m1 / r1 if r1 else 0.0) else (1, 0)):
             if self.feasible(side, i + 1, item.length, item.area):
-                self.put(side, item)
+                self.put(side, (item,))
                 return True
         if item.length <= short:
             return False
         best = None
         for holder in (0, 1):  # the side that will not hold the item's last token
-            cut = self._cheapest_cut(holder, i + 1, item)
+            cut = self._cheapest_cut(holder, i + 1, item, best[0] if best and self.rounds == 1 else None)
             if cut is not None and (best is None or cut[0] < best[0]):
                 best = cut + (holder,)
         if best is None:  # numerically at the edge: the side lacking more area takes the longest tail it has room for
@@ -273,15 +280,16 @@ class _Bisection:
             best = (x, x, 1 - side)
         horizon, tau, holder = best
         p = horizon - tau  # the piece ends at the horizon: the densest tau tokens below it
-        self.put(holder, item.sub(p, p + tau))
-        self.put(1 - holder, item.sub(0, p))
-        self.put(1 - holder, item.sub(p + tau, item.length))
+        self.cut.add(item.doc)
+        self.put(holder, (item.sub(p, p + tau),))
+        self.put(1 - holder, (item.sub(0, p), item.sub(p + tau, item.length)))
         return True
 
-    def _cheapest_cut(self, holder: int, i: int, item: _Item) -> Optional[Tuple[int, int]]:
+    def _cheapest_cut(self, holder: int, i: int, item: _Item, beat: Optional[int]) -> Optional[Tuple[int, int]]:
         """Cut of ``item`` giving ``holder`` a piece ``[p, p + tau)`` and the other side the rest (with the last
         token), feasible for both sides, with the smallest horizon ``p + tau`` (= key/value rows moved).
-        Returns (horizon, tau) or None.
+        Returns (horizon, tau) or None. ``beat``: only a horizon below it is wanted (the other holder's), so a
+        single scan (refinements are centred on the best tau found: they need all of the first scan) stops there.
 
         For a given ``tau`` the piece's area can be anything between its head ``[0, tau)`` and the ``tau``
         tokens ending at the horizon, so the horizon needed is the smallest one whose densest piece reaches
@@ -294,21 +302,25 @@ class _Bisection:
         if lo > hi:
             return None
         missing, slack = self.missing[holder], self.slack
+        least, most, area_before = pool.least, pool.most, item.area_before
         best, seen = None, set()
+        limit = hi + 1 if beat is None else beat  # the horizon is at least tau: no better cut from tau = limit on
         left, right = lo, hi
         for _ in range(self.rounds):
             step = max(1, (right - left) // 8)
             for tau in chain(range(left, right + 1, step), (right,)):
+                if tau >= limit:
+                    break
                 if tau in seen:
                     continue
                 seen.add(tau)
-                head = item.area_before(tau)
-                if head > missing - pool.least(i, room - tau) + slack:
+                head = area_before(tau)
+                if head > missing - least(i, room - tau) + slack:
                     continue
-                need = missing - pool.most(i, room - tau)
-                x = tau if need <= head else _horizon_for(item, tau, need)
+                need = missing - most(i, room - tau)
+                x = tau if need <= head else _horizon_for(item, tau, need, head)
                 if x is not None and (best is None or (x, tau) < best):
-                    best = (x, tau)
+                    best, limit = (x, tau), min(limit, x)
             if best is None or step == 1:
                 break
             left, right = max(lo, best[1] - step), min(hi, best[1] + step)
@@ -320,24 +332,22 @@ class _Bisection:
         items = pool.items
         n = len(items)
         if room == 0 or i == n:
-            for it in items[i:]:
-                self.put(1, it)
+            self.put(1, items[i:])
             return
         if room >= pool.size(i):
-            for it in items[i:]:
-                self.put(0, it)
+            self.put(0, items[i:])
             return
-        taken = [False] * n
+        taken, lengths = [False] * n, list(map(_length_of, items))
         # The shortest items (2 % of the tokens) are shared in proportion to the rooms: both sides keep short
         # documents for filling their bins exactly at the next level.
         total, tiny, t = pool.size(i), 0, n
-        while t > i + 1 and tiny + items[t - 1].length <= _TINY * total:
+        while t > i + 1 and tiny + lengths[t - 1] <= _TINY * total:
             t -= 1
-            tiny += items[t].length
+            tiny += lengths[t]
         shares = [0, 0]
         for m in range(n - 1, t - 1, -1):
-            side = 0 if shares[0] * self.room[1] <= shares[1] * room and shares[0] + items[m].length <= room else 1
-            shares[side] += items[m].length
+            side = 0 if shares[0] * self.room[1] <= shares[1] * room and shares[0] + lengths[m] <= room else 1
+            shares[side] += lengths[m]
             taken[m] = side == 0
         gap = room - shares[0]
         target = self.missing[0] - sum(items[m].area for m in range(t, n) if taken[m])
@@ -354,30 +364,36 @@ class _Bisection:
             lo, hi = (mid, hi) if window(mid) >= target else (lo, mid)
         j = lo if abs(window(lo) - target) <= abs(window(hi) - target) else hi
         k = j
-        while k < t and items[k].length <= gap:
+        while k < t and lengths[k] <= gap:
             taken[k] = True
-            gap -= items[k].length
+            gap -= lengths[k]
             k += 1
-        if gap:  # close the gap with the longest items left that fit (the run may have used the shortest)
-            for m in sorted((m for m in range(i, n) if not taken[m]), key=lambda m: (-items[m].length, m)):
-                if items[m].length <= gap:
+        if gap:  # close the gap with the longest items left that fit (the run may have used the shortest);
+            # a stable sort of increasing indices, reversed: by decreasing length, then increasing index
+            for m in sorted((m for m in range(i, n) if not taken[m] and lengths[m] <= gap),
+                            key=lengths.__getitem__, reverse=True):
+                if lengths[m] <= gap:
                     taken[m] = True
-                    gap -= items[m].length
+                    gap -= lengths[m]
                     if gap == 0:
                         break
         if gap:  # or exchange items: one or two untaken ones in, one or two taken ones out, `gap` tokens more
             gap = _exchange([m for m in range(i, n) if taken[m]], [m for m in range(i, n) if not taken[m]],
-                            items, taken, gap)
+                            lengths, taken, gap)
         cut = None
         if gap:  # no combination fits: cut the shortest item left that is longer than the gap
-            cut = next(m for m in range(n - 1, i - 1, -1) if not taken[m] and items[m].length > gap)
+            cut = next(m for m in range(n - 1, i - 1, -1) if not taken[m] and lengths[m] > gap)
+        sides: List[List[_Item]] = [[], []]
         for m in range(i, n):
             if m == cut:
                 it = items[m]
-                self.put(0, it.sub(it.length - gap, it.length))
-                self.put(1, it.sub(0, it.length - gap))
+                self.cut.add(it.doc)
+                sides[0].append(it.sub(it.length - gap, it.length))
+                sides[1].append(it.sub(0, it.length - gap))
             else:
-                self.put(0 if taken[m] else 1, items[m])
+                sides[0 if taken[m] else 1].append(items[m])
+        self.put(0, sides[0])
+        self.put(1, sides[1])
 
 
     def mend_cuts(self) -> None:
@@ -420,14 +436,16 @@ class _Bisection:
                 break
 
 
-def _exchange(inside: List[int], outside: List[int], items: List[_Item], taken: List[bool], gap: int) -> int:
+def _exchange(inside: List[int], outside: List[int], lengths: List[int], taken: List[bool], gap: int) -> int:
     """Swap the shortest few items so that ``taken`` gains exactly ``gap`` tokens: u - t, u1 + u2 - t or
-    u - t1 - t2 = gap (u: items not taken, t: taken). Returns the gap left (0 on success)."""
-    inside = sorted(inside, key=lambda m: (items[m].length, m))[:_EXCHANGE]
-    outside = sorted(outside, key=lambda m: (items[m].length, m))[:_EXCHANGE]
+    u - t1 - t2 = gap (u: items not taken, t: taken; ``inside`` / ``outside``: increasing indices of the taken /
+    untaken items). Returns the gap left (0 on success)."""
+    # Stable sorts of increasing indices by length: (length, index) order.
+    inside = sorted(inside, key=lengths.__getitem__)[:_EXCHANGE]
+    outside = sorted(outside, key=lengths.__getitem__)[:_EXCHANGE]
     by_length: dict = {}
     for m in inside:
-        by_length.setdefault(items[m].length, []).append(m)
+        by_length.setdefault(lengths[m], []).append(m)
 
     def swap(ins: Sequence[int], outs: Sequence[int]) -> int:
         for m in ins:
@@ -437,17 +455,17 @@ def _exchange(inside: List[int], outside: List[int], items: List[_Item], taken: 
         return 0
 
     for u in outside:
-        t = by_length.get(items[u].length - gap)
+        t = by_length.get(lengths[u] - gap)
         if t:
             return swap([u], [t[0]])
     for x, u1 in enumerate(outside):
         for u2 in outside[x + 1:]:
-            t = by_length.get(items[u1].length + items[u2].length - gap)
+            t = by_length.get(lengths[u1] + lengths[u2] - gap)
             if t:
                 return swap([u1, u2], [t[0]])
     for u in outside:
         for t1 in inside:
-            rest = items[u].length - gap - items[t1].length
+            rest = lengths[u] - gap - lengths[t1]
             t2 = next((m for m in by_length.get(rest, []) if m != t1), None)
             if t2 is not None:
                 return swap([u], [t1, t2])
@@ -463,7 +481,7 @@ def _least_end(length: np.ndarray, area: np.ndarray) -> np.ndarray:
 def _exhaustive_bisection(items: List[_Item], rooms: Tuple[int, int], targets: Tuple[float, float],
                           slack: float) -> Optional[List[List[_Item]]]:
     """The cheapest split of a few items with at most one cut, over every subset of whole items for the left
-    side; None when none is within ``slack`` of the targets.
+    side (one item per document on each side); None when none is within ``slack`` of the targets.
 
     The greedy bisection cuts the item that fits neither side at its cheapest cut *given the items placed
     before it*, which leaves the sides at the edge of feasibility and forces more cuts later (three documents
@@ -472,6 +490,7 @@ def _exhaustive_bisection(items: List[_Item], rooms: Tuple[int, int], targets: T
     subsets at once (numpy), then for each item the subsets it would complete by a cut, feasible when the
     missing area lies between the area of its first and last ``tau`` tokens; candidates are visited by a lower
     bound on their rows (``_least_end``, exact for a whole document; at most ``_VISITS``), stopping at the best."""
+    items = sorted(items, key=_doc_of)  # ties between subsets go to the same one whatever the items' order
     n = len(items)
     masks = (np.arange(1 << n)[:, None] >> np.arange(n)) & 1
     tokens, areas = np.zeros(1, dtype=np.int64), np.zeros(1)
@@ -483,14 +502,18 @@ def _exhaustive_bisection(items: List[_Item], rooms: Tuple[int, int], targets: T
         chosen = masks[exact[np.argmin(error[exact])]]
         return [[it for it, b in zip(items, chosen) if b == side] for side in (1, 0)]
     room = rooms[0] - tokens
-    # (subset, item) pairs where the item, not in the subset, would fill the room by a cut: one 2-D test.
-    pairs, cuts = np.nonzero((masks == 0) & (room[:, None] > 0)
-                             & (room[:, None] < np.array([it.length for it in items])[None, :]))
+    # (item, subset) pairs where the item, not in the subset, would fill the room by a cut: one 2-D test,
+    # grouped by item (each item's subsets increasing).
+    cuts, pairs = np.nonzero(((masks == 0) & (room[:, None] > 0)
+                              & (room[:, None] < np.array([it.length for it in items])[None, :])).T)
+    first = np.searchsorted(cuts, np.arange(n + 1)).tolist()
     bounds, subsets, cut = [], [], []
-    for c in np.unique(cuts).tolist():
-        it, ok = items[c], pairs[cuts == c]
+    for c in (c for c in range(n) if first[c] < first[c + 1]):
+        it, ok = items[c], pairs[first[c]:first[c + 1]]
         tau, missing = room[ok], targets[0] - areas[ok]
-        fits = (it.areas_before(tau) - slack <= missing) & (missing <= it.area - it.areas_before(it.length - tau) + slack)
+        heads = it.areas_before(np.concatenate([tau, it.length - tau]))
+        head, rest = heads[:len(tau)], heads[len(tau):]  # the areas of [0, tau) and [0, L - tau)
+        fits = (head - slack <= missing) & (missing <= it.area - rest + slack)
         tau, missing = tau[fits], missing[fits]
         bounds.append(np.minimum(_least_end(tau, missing - slack / 2), _least_end(it.length - tau, it.area - missing - slack / 2)))
         subsets.append(ok[fits])
@@ -507,7 +530,8 @@ def _exhaustive_bisection(items: List[_Item], rooms: Tuple[int, int], targets: T
         missing = targets[0] - float(areas[m])
         for holder, length, area in ((0, tau, missing - slack / 2), (1, it.length - tau, it.area - missing - slack / 2)):
             # The holder gets `length` tokens carrying at least `area`, the least end position possible.
-            x = _horizon_for(it, length, max(float(it.area_before(length)), area))
+            head = it.area_before(length)
+            x = _horizon_for(it, length, max(float(head), area), head)
             if x is not None:
                 cost = it.end_position(x)
                 if best is None or cost < best[0]:
@@ -519,7 +543,9 @@ def _exhaustive_bisection(items: List[_Item], rooms: Tuple[int, int], targets: T
     for k, it in enumerate(items):
         if k == c:
             sides[holder].append(it.sub(p, x))
-            sides[1 - holder] += [piece for piece in (it.sub(0, p), it.sub(x, it.length)) if piece.length]
+            rest = it.sub(0, p).ranges + it.sub(x, it.length).ranges  # head and tail: one item (one per document)
+            if rest:
+                sides[1 - holder].append(_Item(it.doc, rest))
         else:
             sides[0 if masks[m, k] else 1].append(it)
     return sides
@@ -537,19 +563,21 @@ def _bisect_items(items: List[_Item], rooms: Tuple[int, int], targets: Tuple[flo
     if between_nodes and len(items) <= _EXHAUSTIVE:
         sides = _exhaustive_bisection(items, rooms, targets, state.slack)
         if sides is not None:
-            return [_merged(side) for side in sides]
+            return sides
     pool = state.pool.items
     heavy = _HEAVY * max(1.0, min(targets))
     # Items are placed one by one up to the last heavy one; the rest are dealt as a window.
-    end = max((k + 1 for k, it in enumerate(pool) if it.area > heavy), default=0)
+    end = len(pool)
+    while end and pool[end - 1].area <= heavy:
+        end -= 1
     short = max(int(_SHORT * min(rooms)), _SHORT_TOKENS) if between_nodes else 0
     deferred = [pool[k] for k in range(end) if not state.place_heavy(k, short)]
     if deferred:  # one light pool in density order again
-        state.pool = _Pool(sorted(deferred + pool[end:], key=_density_order))
+        state.pool = _Pool(sorted(deferred + pool[end:], key=_key_of))
         end = 0
     state.place_light(end)
     state.mend_cuts()
-    return [_merged(side) for side in state.out]
+    return [_merged(side, state.cut) for side in state.out]
 
 
 def _split(items: List[_Item], groups: list, caps: Sequence[int], targets: Sequence[float]) -> List[List[_Item]]:
@@ -571,7 +599,7 @@ def _split(items: List[_Item], groups: list, caps: Sequence[int], targets: Seque
     for side, leaves in zip(sides, (lb, rb)):
         wanted = sum(targets[b] for b in leaves)
         if wanted > 0:
-            factor = sum(it.area for it in side) / wanted
+            factor = sum(map(_area_of, side)) / wanted
             for b in leaves:
                 scaled[b] = targets[b] * factor
     return _split(sides[0], left, caps, scaled) + _split(sides[1], right, caps, scaled)
@@ -583,23 +611,24 @@ def _leaves(groups: object) -> List[int]:
     return [b for g in groups for b in _leaves(g)]
 
 
-_doc_of = attrgetter("doc")
 
-
-def _merged(items: List[_Item]) -> List[_Item]:
-    """One item per document with adjacent ranges merged, in document order (few, contiguous segments)."""
-    if len({it.doc for it in items}) == len(items):
-        return sorted(items, key=_doc_of)
-    by_doc: dict = {}
+def _merged(items: List[_Item], cut: set) -> List[_Item]:
+    """One item per document (what a pool holds): the pieces of each document in ``cut`` (the only documents
+    a side can hold several pieces of) become one item, adjacent ranges merged (few, contiguous segments)."""
+    if not cut:
+        return items
+    out, pieces = [], {}
     for it in items:
-        by_doc.setdefault(it.doc, []).append(it)
-    out = []
-    for doc in sorted(by_doc):
-        if len(by_doc[doc]) == 1:
-            out.append(by_doc[doc][0])
+        if it.doc in cut:
+            pieces.setdefault(it.doc, []).append(it)
+        else:
+            out.append(it)
+    for doc, parts in pieces.items():
+        if len(parts) == 1:
+            out.append(parts[0])
             continue
         ranges: List[List[int]] = []
-        for s, e in sorted(r for it in by_doc[doc] for r in it.ranges):
+        for s, e in sorted(r for it in parts for r in it.ranges):
             if ranges and ranges[-1][1] == s:
                 ranges[-1][1] = e
             else:
@@ -657,7 +686,8 @@ def sequence_aware_table(doc_lengths: Sequence[int], *, ring_size: int, ulysses_
     nodes = [list(range(m, min(m + ring_members_per_node, ring_size)))
              for m in range(0, ring_size, ring_members_per_node)]
     members = _split(docs, nodes, caps, targets)
-    # Each member's stream: its documents in index order, each document's pieces merged.
-    rows = [(m, it.doc, s, e) for m, items in enumerate(members) for it in _merged(items) for s, e in it.ranges]
+    # Each member's stream: its documents in index order (one item each), each item's ranges in order.
+    rows = [(m, it.doc, s, e) for m, items in enumerate(members) for it in sorted(items, key=_doc_of)
+            for s, e in it.ranges]
     member, doc, start, end = np.array(rows, dtype=np.int64).reshape(-1, 4).T
     return split_streams(member, doc, start, end, ulysses_size, tokens_per_rank)
