@@ -236,7 +236,7 @@ def _check_forwarding_plan(lengths, topo: CPTopology, layout: str, causal: bool,
 
 
 # (CP, Ulysses, ranks per node, hard cases): 2 nodes x 2 members; Ulysses pairs, 2 x 2; 3 nodes x 4 members.
-FORWARDING_SHAPES = [(4, 1, 2, None), (8, 2, 4, None),
+FORWARDING_SHAPES = [(4, 1, 2, None), (8, 2, 4, ("crosses_several_boundaries", "long_tail_sampled", "only_short")),
                      (12, 1, 4, ("crosses_all_boundaries", "length_one_and_zero"))]
 
 
