@@ -577,7 +577,47 @@ def _bisect_items(items: List[_Item], rooms: Tuple[int, int], targets: Tuple[flo
         end = 0
     state.place_light(end)
     state.mend_cuts()
-    return [_merged(side, state.cut) for side in state.out]
+    sides = [_merged(side, state.cut) for side in state.out]
+    return _reopened(items, sides, rooms, targets, state.slack) if between_nodes else sides
+
+
+def _cut_rows(sides: Sequence[Sequence[_Item]]) -> int:
+    """Rows a bisection moves: for each document on both sides, the end of the piece not holding its last
+    position (the horizon formula, one cut per document)."""
+    ends: List[dict] = [{}, {}]
+    for side, items in zip(ends, sides):
+        for it in items:
+            side[it.doc] = it.ranges[-1][1]
+    return sum(min(end, ends[1][doc]) for doc, end in ends[0].items() if doc in ends[1])
+
+
+def _reopened(items: List[_Item], sides: List[List[_Item]], rooms: Tuple[int, int], targets: Tuple[float, float],
+              slack: float) -> List[List[_Item]]:
+    """The greedy bisection's cuts searched again: the documents it cut, whole, and the shortest whole items of
+    each side (alternately, up to ``_EXHAUSTIVE`` items) are split again over every subset
+    (``_exhaustive_bisection``), the other items staying where they are; kept when it moves fewer rows.
+
+    A greedy cut leaves its holder at the edge of feasibility, so the items placed after it are cut too (three
+    cuts in one bisection of two nodes, where one would do); the short items give the search the token counts
+    and areas to fill the rooms exactly around a single cut."""
+    cut = {it.doc for it in sides[0]} & {it.doc for it in sides[1]}
+    if not cut or len(cut) > _EXHAUSTIVE - 2:
+        return sides
+    whole = [sorted((it for it in side if it.doc not in cut), key=_length_of) for side in sides]
+    free = [it for it in items if it.doc in cut]
+    moved: set = set()
+    for k in range(min(_EXHAUSTIVE - len(cut), len(whole[0]) + len(whole[1]))):
+        side = whole[k % 2] if len(whole[k % 2]) > k // 2 else whole[1 - k % 2]
+        it = next(it for it in side if it.doc not in moved)
+        moved.add(it.doc)
+        free.append(it)
+    fixed = [[it for it in side if it.doc not in moved] for side in whole]
+    found = _exhaustive_bisection(free, tuple(r - sum(map(_length_of, f)) for r, f in zip(rooms, fixed)),
+                                  tuple(t - sum(map(_area_of, f)) for t, f in zip(targets, fixed)), slack)
+    if found is None:
+        return sides
+    found = [f + side for f, side in zip(fixed, found)]
+    return found if _cut_rows(found) < _cut_rows(sides) else sides
 
 
 def _split(items: List[_Item], groups: list, caps: Sequence[int], targets: Sequence[float]) -> List[List[_Item]]:
