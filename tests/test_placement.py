@@ -505,16 +505,6 @@ def test_a_bisection_error_is_shared_by_the_bins_below_it() -> None:
     assert stats.flops_imbalance <= 1.01, stats.flops_imbalance
 
 
-def _cut_rows(sides: List[list]) -> int:
-    """Rows a bisection's cuts move between its sides: per split document, the end of the side without its
-    last token (the horizon formula on two holders)."""
-    ends = [{} for _ in sides]
-    for side, items in zip(ends, sides):
-        for it in items:
-            side[it.doc] = max(side.get(it.doc, 0), it.ranges[-1][1])
-    return sum(min(ends[0][d], ends[1][d]) for d in ends[0].keys() & ends[1].keys())
-
-
 def test_few_items_between_nodes_are_split_by_trying_every_subset(monkeypatch) -> None:
     # Every result fills both sides exactly, within the slack of the targets, with at most one cut; over many
     # random bisections it moves fewer rows than the greedy one (which cuts again when a cut left a side at
@@ -532,6 +522,7 @@ def test_few_items_between_nodes_are_split_by_trying_every_subset(monkeypatch) -
         slack = placement_module._Bisection(items, rooms, targets, 1).slack
         sides = placement_module._exhaustive_bisection(items, rooms, targets, slack)
         monkeypatch.setattr(placement_module, "_EXHAUSTIVE", 0)
+        monkeypatch.setattr(placement_module, "_REOPENED", 0)
         plain = placement_module._bisect_items(items, rooms, targets, True)
         monkeypatch.undo()
         if sides is None:
@@ -540,9 +531,42 @@ def test_few_items_between_nodes_are_split_by_trying_every_subset(monkeypatch) -
         for side, target in zip(sides, targets):
             assert abs(sum(it.area for it in side) - target) <= slack + max(lengths)
         assert len({it.doc for it in sides[0]} & {it.doc for it in sides[1]}) <= 1
-        exhaustive += _cut_rows(sides)
-        greedy += _cut_rows(plain)
+        exhaustive += placement_module._cut_rows(sides)
+        greedy += placement_module._cut_rows(plain)
     assert exhaustive < greedy, (exhaustive, greedy)
     # No subset within the slack and no item longer than a room left to fill: the greedy bisection decides.
     ones = [placement_module._Item(d, ((0, 1),)) for d in range(3)]
     assert placement_module._exhaustive_bisection(ones, (1, 2), (1.5, 1.5), 0.1) is None
+
+
+def test_cuts_of_the_greedy_bisection_are_searched_again(monkeypatch) -> None:
+    # Between nodes, a bisection too large for every subset is split by the greedy steps; the documents they cut
+    # and the shortest items are then searched again over every subset (`_reopened`), kept only when fewer rows
+    # move: never more rows than the greedy steps, exact rooms and the slack kept when kept, fewer rows in all.
+    rng = random.Random(5)
+    reopened = greedy = kept = 0
+    for _ in range(40):
+        lengths = [rng.choice([rng.randint(1, 300), rng.randint(300, 3000), rng.randint(3000, 20000)])
+                   for _ in range(rng.randint(13, 40))]
+        items = [placement_module._Item(d, ((0, n),)) for d, n in enumerate(lengths)]
+        total = sum(lengths)
+        left = total // 2 + rng.randint(-total // 8, total // 8)
+        rooms = (left, total - left)
+        area = sum(it.area for it in items)
+        targets = (area * rooms[0] / total, area * rooms[1] / total)
+        sides = placement_module._bisect_items(items, rooms, targets, True)
+        monkeypatch.setattr(placement_module, "_REOPENED", 0)
+        plain = placement_module._bisect_items(items, rooms, targets, True)
+        monkeypatch.undo()
+        rows, plain_rows = placement_module._cut_rows(sides), placement_module._cut_rows(plain)
+        assert rows <= plain_rows
+        if rows < plain_rows:
+            kept += 1
+            slack = placement_module._Bisection(items, rooms, targets, 1).slack
+            assert [sum(it.length for it in side) for side in sides] == list(rooms)
+            for side, target in zip(sides, targets):
+                assert abs(sum(it.area for it in side) - target) <= slack
+            assert len({it.doc for it in sides[0]} & {it.doc for it in sides[1]}) <= 1
+        reopened += rows
+        greedy += plain_rows
+    assert kept >= 20 and reopened < greedy, (kept, reopened, greedy)
