@@ -255,6 +255,7 @@ def test_bad_document_lengths_raise_value_error(lengths: list, index: int) -> No
 
 from megatron_hsap.parallel_state import CPTopology  # noqa: E402
 from megatron_hsap.sequence import placement as placement_module  # noqa: E402
+from megatron_hsap.sequence import cost_model as cost_model_module  # noqa: E402
 from megatron_hsap.sequence.cost_model import inter_node_rows_lower_bound  # noqa: E402
 from megatron_hsap.sequence.doc_lengths import (  # noqa: E402
     cu_seqlens_from_lengths, lognormal_doc_lengths, pack_lengths, stdlib_doc_lengths)
@@ -464,6 +465,24 @@ def test_lower_bound_with_token_capacities_is_a_true_bound_by_brute_force() -> N
     assert tighter >= 5  # the capacities matter on some of these cases
     with pytest.raises(ValueError, match="node_tokens"):
         inter_node_rows_lower_bound([10, 10], 2, node_tokens=9)
+
+
+def test_lower_bound_charges_the_documents_a_node_must_take_partly(monkeypatch) -> None:
+    # Two nodes of 6 tokens: the 4-token document's node must take 2 more tokens of area <= 2 (the cap is
+    # 12.5 - 10); only the heads of other documents are that sparse, and a head taken alone moves its rows.
+    cases = [([4, 3, 2, 2], 2, 6), ([3, 3, 4], 2, 5), ([4, 2, 2, 3], 2, 6)]
+    for lengths, nodes, node_tokens in cases:
+        best = _fewest_rows_by_brute_force(lengths, nodes, node_tokens, 1.0)
+        assert inter_node_rows_lower_bound(lengths, nodes, 1.0, node_tokens) == best == 1
+        monkeypatch.setattr(cost_model_module, "_CHARGED_CANDIDATES", 0)  # the terms without the charges
+        assert inter_node_rows_lower_bound(lengths, nodes, 1.0, node_tokens) == 0
+        monkeypatch.undo()
+    # At scale (a 105K-token file in 1M tokens on 4 nodes of 262K): its node must also take ~157K tokens of
+    # area at most 2.5 % of a node's; the sparsest positions of all documents have it, whole documents do not.
+    lengths = _heavy_tailed(9)
+    charged = inter_node_rows_lower_bound(lengths, 4, 1.0, 1 << 18)
+    monkeypatch.setattr(cost_model_module, "_CHARGED_CANDIDATES", 0)
+    assert charged > 2 * inter_node_rows_lower_bound(lengths, 4, 1.0, 1 << 18)
 
 
 @pytest.mark.parametrize("layout", ["sequence-aware", "zigzag", "contiguous"])

@@ -22,7 +22,10 @@ from __future__ import annotations
 import bisect
 import math
 from dataclasses import dataclass
-from typing import Optional, Sequence, Tuple
+from collections import Counter
+from typing import List, Optional, Sequence, Tuple
+
+import numpy as np
 
 
 def _check_positive(name: str, value: int) -> None:
@@ -133,6 +136,10 @@ def inter_node_rows_lower_bound(doc_lengths: Sequence[int], num_nodes: int, imba
     hold at least ``total - (n - k) * node_tokens`` tokens, the ones not from the document carrying at least
     the least area that many tokens of the other documents can carry (the sparsest positions), and the
     document's tokens off them are at most the densest ``s`` below ``h_k``. Rows >= sum_k of the bounds.
+
+    With token capacities, one term ``h_k`` of one document is also charged for the other documents its ``k``
+    nodes must take (``_charged_horizon``): a document partly on them moves at least ``min(t, L - t)`` of its
+    own rows, which no other term counts; the largest such gain over the (document, k) pairs is added once.
     """
     if not isinstance(num_nodes, int) or isinstance(num_nodes, bool) or num_nodes < 1:
         raise ValueError(f"num_nodes={num_nodes!r} must be a positive int")
@@ -145,14 +152,86 @@ def inter_node_rows_lower_bound(doc_lengths: Sequence[int], num_nodes: int, imba
     areas = [causal_area(0, n) for n in lengths]
     cap = imbalance * sum(areas) / num_nodes
     sparsest = _Sparsest(lengths) if node_tokens is not None else None
-    rows = 0
+    rows, terms = 0, []
     for d, area in enumerate(areas):
+        terms.append([])
         for k in range(1, num_nodes):
             free = _rows_for_area(area - k * cap)
             if sparsest is not None:
                 free = max(free, _capacity_horizon(d, k, lengths, num_nodes, node_tokens, k * cap, sparsest))
             rows += free
-    return rows
+            terms[d].append(free)
+    if sparsest is None or num_nodes < 2:
+        return rows
+    # Documents whose rows some term counts may join the nodes free of charge (their rows are counted already).
+    counted = [d for d in range(len(lengths)) if terms[d][0] > 0]
+    gain = 0
+    for d in sorted(range(len(lengths)), key=areas.__getitem__, reverse=True)[:_CHARGED_CANDIDATES]:
+        for k in range(1, num_nodes):
+            if areas[d] > cap / 4 and (k == 1 or terms[d][k - 1] > 0):
+                need = sum(lengths) - (num_nodes - k) * node_tokens
+                gain = max(gain, _charged_horizon(d, lengths, counted, need, k * cap) - terms[d][k - 1])
+    return rows + gain
+
+
+# The largest documents whose horizons are charged for their nodes' other documents (one term gains).
+_CHARGED_CANDIDATES = 4
+
+
+def _charged_horizon(d: int, lengths: Sequence[int], counted: Sequence[int], need: int, cap: float) -> int:
+    """A lower bound on ``h_k`` of document d plus the rows of the uncounted documents partly on the ``k`` nodes U
+    made of its last-token holder and its holders 1..k-1 (``need``, ``cap``: U's least tokens and most area).
+
+    U holds every position of d from ``h_k = x`` on (the other holders' horizons are at most ``x``), ``s <= x`` of
+    its positions below (area at least ``s (s + 1) / 2``), and ``t_e`` tokens of each other document e (area at
+    least ``t_e (t_e + 1) / 2``; the whole document carries exactly its area). A document e partly on U
+    (``0 < t_e < L_e``) moves at least ``min(t_e, L_e - t_e)`` rows: if its last token is off U, U's holders'
+    horizons add up to at least ``t_e``, else its holders off U hold ``L_e - t_e`` tokens below their horizons.
+
+    For a given x, the fewest charged rows C(x) of that relaxation is bounded below by Lagrangian duality
+    (any area price ``lam`` and token reward ``mu`` give a bound; a grid of them is tried, each document's
+    best ``t`` in closed form). C(x) does not increase with x (moving position x into the ``s`` tokens keeps
+    the tokens and does not add area), so over a partition of ``[0, L]``, ``x + C(x) >= x_i + C(x_{i+1})``
+    on ``[x_i, x_{i+1}]``: the minimum over the partition is a bound."""
+    length = lengths[d]
+    others = Counter(n for e, n in enumerate(lengths) if e != d and n)
+    free = Counter(lengths[e] for e in counted if e != d and lengths[e])
+    sizes = np.array(sorted(others), dtype=np.float64)
+    charged = np.array([others[n] - free.get(int(n), 0) for n in sizes], dtype=np.float64)
+    uncharged = np.array([free.get(int(n), 0) for n in sizes], dtype=np.float64)
+    mus = np.array([0.5, 0.9, 1.0, 1.05, 1.2, 1.5, 2.0, 3.0, 5.0, 10.0])
+    scales = np.geomspace(1.0, max(float(length), 2.0) * 2, 24)
+    mu = np.repeat(mus, len(scales))[:, None]
+    lam = (2 * np.repeat(mus, len(scales)) / np.tile(scales, len(mus)))[:, None]
+
+    def least(limit: np.ndarray, charge: bool) -> np.ndarray:
+        """min over real t in [0, limit] of c(t) + lam t (t + 1) / 2 - mu t, per (lam, mu) and size: convex
+        quadratics (one per branch of c), each at its vertex clipped to its interval."""
+        def value(lo: np.ndarray, hi: np.ndarray, slope: float) -> np.ndarray:
+            t = np.clip((mu + slope - lam / 2) / lam, lo, hi)
+            return lam * t * (t + 1) / 2 - (mu + slope) * t
+        if not charge:
+            return value(0 * limit, limit, 0.0)
+        return np.minimum(value(0 * limit, limit / 2, -1.0), value(limit / 2, limit, 1.0) + limit)
+
+    base = (least(sizes, True) * charged).sum(axis=1) + (least(sizes, False) * uncharged).sum(axis=1)
+
+    def charge_at(x: int) -> float:
+        own = least(np.array([float(x)]), False)[:, 0]
+        dual = base + own - lam[:, 0] * (cap - causal_area(x, length)) + mu[:, 0] * (need - (length - x))
+        return max(0.0, float(dual.max()))
+
+    def partition_bound(points: Sequence[int]) -> List[float]:
+        charges = [charge_at(x) for x in points[1:]]
+        return [x + c for x, c in zip(points, charges)]
+
+    coarse = sorted(set(np.linspace(0, length, 33).astype(int).tolist()))
+    bounds = partition_bound(coarse)
+    i = int(np.argmin(bounds))
+    # The interval of the least bound partitioned again; the others keep their bounds.
+    refined = partition_bound(sorted(set(np.linspace(coarse[i], coarse[i + 1], 33).astype(int).tolist())))
+    rest = bounds[:i] + bounds[i + 1:]
+    return int(math.ceil(min(refined + rest) - 1e-6))
 
 
 class _Sparsest:
