@@ -603,9 +603,10 @@ def _reopened(items: List[_Item], sides: List[List[_Item]], rooms: Tuple[int, in
 
     A greedy cut leaves its holder at the edge of feasibility, so the items placed after it are cut too (three
     cuts in one bisection of two nodes, where one would do); the short items give the search the token counts
-    and areas to fill the rooms exactly around a single cut."""
+    and areas to fill the rooms exactly around a single cut. After a single greedy cut the search saved ~1 % of
+    the rows it saves after several (10 batches of each mix at 4 x 8 and 8 x 8), at most of its time."""
     cut = {it.doc for it in sides[0]} & {it.doc for it in sides[1]}
-    if not cut or len(cut) > _REOPENED - 2:
+    if len(cut) < 2 or len(cut) > _REOPENED - 2:  # a single cut: a few rows to save (~100 on the buckets)
         return sides
     shortest = [sorted((it for it in side if it.doc not in cut), key=_length_of) for side in sides]
     alternate = [it for pair in zip_longest(*shortest) for it in pair if it is not None]
