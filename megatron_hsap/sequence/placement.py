@@ -125,15 +125,6 @@ class _Item:
             offset -= e - s
         return self.ranges[-1][1]
 
-    def areas_before(self, taus: np.ndarray) -> np.ndarray:
-        """``area_before`` of each of ``taus`` (float64: exact below 2**53), for a vectorised scan."""
-        offsets = np.cumsum([0] + [e - s for s, e in self.ranges])
-        starts = np.array([s for s, _ in self.ranges] + [self.ranges[-1][1]], dtype=np.float64)
-        prefix = np.cumsum([0.0] + [float(causal_area(s, e)) for s, e in self.ranges])
-        j = np.minimum(np.searchsorted(offsets, taus, side="right") - 1, len(self.ranges) - 1)
-        a, b = starts[j], starts[j] + (taus - offsets[j])
-        return prefix[j] + (b - a) * (a + b + 1) / 2
-
     def sub(self, lo: int, hi: int) -> "_Item":
         """The item made of stream offsets ``[lo, hi)``."""
         out, pos = [], 0
@@ -143,6 +134,27 @@ class _Item:
                 out.append((s + a - pos, s + b - pos))
             pos += e - s
         return _Item(self.doc, tuple(out))
+
+
+def _areas_before(items: Sequence[_Item], which: np.ndarray, taus: np.ndarray) -> np.ndarray:
+    """``items[which[i]].area_before(taus[i])`` for every i at once (float64: exact below 2**53): the items'
+    ranges in one table keyed by (item, stream offset), one search for all queries."""
+    owner, offsets, starts, prefix = [], [], [], []
+    for k, it in enumerate(items):
+        offset, area = 0, 0
+        for s, e in it.ranges:
+            owner.append(k)
+            offsets.append(offset)
+            starts.append(s)
+            prefix.append(area)
+            offset += e - s
+            area += causal_area(s, e)
+    scale = float(1 << 40)  # above any stream offset: (item, offset) keys sort by item, then offset
+    keys = np.array(owner, dtype=np.float64) * scale + np.array(offsets, dtype=np.float64)
+    j = np.searchsorted(keys, which * scale + taus, side="right") - 1
+    a = np.array(starts, dtype=np.float64)[j]
+    b = a + (taus - np.array(offsets, dtype=np.float64)[j])
+    return np.array(prefix, dtype=np.float64)[j] + (b - a) * (a + b + 1) / 2
 
 
 class _Pool:
@@ -510,21 +522,21 @@ def _exhaustive_bisection(items: List[_Item], rooms: Tuple[int, int], targets: T
     # grouped by item (each item's subsets increasing).
     cuts, pairs = np.nonzero(((masks == 0) & (room[:, None] > 0)
                               & (room[:, None] < np.array([it.length for it in items])[None, :])).T)
-    first = np.searchsorted(cuts, np.arange(n + 1)).tolist()
-    bounds, subsets, cut = [], [], []
-    for c in (c for c in range(n) if first[c] < first[c + 1]):
-        it, ok = items[c], pairs[first[c]:first[c + 1]]
-        tau, missing = room[ok], targets[0] - areas[ok]
-        heads = it.areas_before(np.concatenate([tau, it.length - tau]))
-        head, rest = heads[:len(tau)], heads[len(tau):]  # the areas of [0, tau) and [0, L - tau)
-        fits = (head - slack <= missing) & (missing <= it.area - rest + slack)
-        tau, missing = tau[fits], missing[fits]
-        bounds.append(np.minimum(_least_end(tau, missing - slack / 2), _least_end(it.length - tau, it.area - missing - slack / 2)))
-        subsets.append(ok[fits])
-        cut.append(np.full(int(fits.sum()), c))
-    if not bounds:
+    if not len(cuts):
         return None
-    bounds, subsets, cut = (np.concatenate(a) for a in (bounds, subsets, cut))
+    cut_length = np.array([it.length for it in items], dtype=np.float64)[cuts]
+    cut_area = np.array([float(it.area) for it in items])[cuts]
+    tau, missing = room[pairs], targets[0] - areas[pairs]
+    # The areas of the cut item's [0, tau) and [0, L - tau): the least and (by their complement) the most
+    # area its tau tokens can carry.
+    heads = _areas_before(items, np.concatenate([cuts, cuts]), np.concatenate([tau, cut_length - tau]))
+    head, rest = heads[:len(tau)], heads[len(tau):]
+    fits = (head - slack <= missing) & (missing <= cut_area - rest + slack)
+    if not fits.any():
+        return None
+    tau, missing, cut_length, cut_area = tau[fits], missing[fits], cut_length[fits], cut_area[fits]
+    bounds = np.minimum(_least_end(tau, missing - slack / 2), _least_end(cut_length - tau, cut_area - missing - slack / 2))
+    subsets, cut = pairs[fits], cuts[fits]
     best = None
     for k in np.argsort(bounds, kind="stable")[:_VISITS].tolist():
         if best is not None and bounds[k] >= best[0]:
