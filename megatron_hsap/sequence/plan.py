@@ -10,8 +10,9 @@ bounded), which also takes plan data built ahead in data-loader workers (``train
 from __future__ import annotations
 
 import gc
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -126,8 +127,23 @@ class _PlanData:
         if key not in self.schedules:
             if self.tables is None:
                 self.tables = piece_tables(self.pieces)
-            self.schedules[key] = build_member_schedule(self.tables, member, causal, window, node_of_member)
+            with _gc_paused():
+                self.schedules[key] = build_member_schedule(self.tables, member, causal, window, node_of_member)
         return self.schedules[key]
+
+
+@contextmanager
+def _gc_paused() -> Iterator[None]:
+    """Planning and schedule compiling allocate many small acyclic objects; a full cyclic-GC pass over the
+    process heap triggered by them would cost ~100 ms at random batches. Refcounting frees them; the
+    collector resumes after."""
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
 
 
 def _member_tables(table: np.ndarray, doc_lengths: Sequence[int], tokens_per_rank: int, ulysses: int,
@@ -183,18 +199,11 @@ def build_plan_data(doc_lengths: Tuple[int, ...], topology_signature: tuple, lay
     """The rank-independent part of a plan, uncached: placement, its check, the members' piece tables."""
     cp, ulysses, nodes = topology_signature
     topology = CPTopology(cp_size=cp, ulysses_size=ulysses, node_of_cp_rank=nodes)
-    # Planning allocates many small acyclic objects; a full cyclic-GC pass over the process heap triggered
-    # by them would cost ~100 ms at random batches. Refcounting frees them; the collector resumes after.
-    gc_was_enabled = gc.isenabled()
-    gc.disable()
-    try:
+    with _gc_paused():
         table, tokens_per_rank = _place(doc_lengths, topology, layout, cost_model)
         check_table(table, doc_lengths, tokens_per_rank)
         data = _PlanData(doc_lengths, layout, cp, ulysses, table, tokens_per_rank)
         data.tables = _member_tables(table, doc_lengths, tokens_per_rank, ulysses, cp // ulysses)
-    finally:
-        if gc_was_enabled:
-            gc.enable()
     return data
 
 

@@ -195,16 +195,38 @@ def piece_tables(pieces: Sequence[Dict[int, List[Piece]]]) -> List[np.ndarray]:
     return tables
 
 
+def _reach(causal: bool, window: Window) -> Tuple[int, int]:
+    """``document_bounds`` with an unbounded side as -``_FAR`` / ``_FAR``."""
+    lo, hi = document_bounds(causal, window)
+    return (-_FAR if lo is None else lo), (_FAR if hi is None else hi)
+
+
+def _join(q: np.ndarray, k: np.ndarray, lo: int, hi: int) -> Tuple[np.ndarray, np.ndarray]:
+    """Index pairs (query piece of ``q``, key piece of ``k``) of one document where some key position minus
+    query position lies in ``[lo, hi]``: by query piece, then by key position (piece tables sorted by document
+    then position, as ``piece_tables``). Pairs out of reach (a causal key piece after the query piece) never
+    form, so the work follows the blocks, not the pieces sharing a document."""
+    if not len(q) or not len(k):
+        return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
+    span = 2 + max(int(q[:, 3].max()), int(k[:, 3].max()))  # (document, position) keys, reaches clipped to it
+
+    def reach(position: np.ndarray) -> np.ndarray:
+        return q[:, 0] * span + np.clip(position, -1, span - 2)
+
+    first = np.searchsorted(k[:, 0] * span + k[:, 3], reach(q[:, 2] + lo), side="right")  # keys end after
+    end = np.searchsorted(k[:, 0] * span + k[:, 2], reach(q[:, 3] + hi), side="left")  # keys start before
+    counts = np.maximum(end - first, 0)
+    qi = np.repeat(np.arange(len(q)), counts)
+    ki = np.repeat(first - (np.cumsum(counts) - counts), counts) + np.arange(int(counts.sum()))
+    return qi, ki
+
+
 def _pair_blocks(q: np.ndarray, k: np.ndarray, causal: bool) -> np.ndarray:
     """Blocks ``[m, 5]`` (q_start, q_end, k_start, k_end, causal) letting every query piece of ``q`` attend
     the key pieces of ``k`` of the same document (piece tables as in ``piece_tables``)."""
-    lo = np.searchsorted(k[:, 0], q[:, 0], side="left")
-    counts = np.searchsorted(k[:, 0], q[:, 0], side="right") - lo
-    total = int(counts.sum())
-    if total == 0:
+    qi, ki = _join(q, k, *_reach(causal, None))
+    if not len(qi):
         return np.zeros((0, 5), dtype=np.int64)
-    qi = np.repeat(np.arange(len(q)), counts)
-    ki = np.repeat(lo - (np.cumsum(counts) - counts), counts) + np.arange(total)
     qb, q0, q1 = q[qi, 1], q[qi, 2], q[qi, 3]
     kb, k0, k1 = k[ki, 1], k[ki, 2], k[ki, 3]
     if not causal:
@@ -216,27 +238,21 @@ def _pair_blocks(q: np.ndarray, k: np.ndarray, causal: bool) -> np.ndarray:
     # rows from kend on (all of them when every key precedes every query) see every key up to kend
     tail_start = np.where(before, qb, qb + kend - q0)
     tail = np.stack([tail_start, qb + q1 - q0, kb, kb + kend - k0, np.zeros_like(qb)], axis=1)
-    blocks = np.concatenate([diagonal[~before], tail])
-    return blocks[(blocks[:, 1] > blocks[:, 0]) & (blocks[:, 3] > blocks[:, 2])]
+    blocks = np.concatenate([np.compress(~before, diagonal, axis=0), tail])
+    return np.compress((blocks[:, 1] > blocks[:, 0]) & (blocks[:, 3] > blocks[:, 2]), blocks, axis=0)
 
 
 def _windowed_pair_blocks(q: np.ndarray, k: np.ndarray, lo: Optional[int], hi: Optional[int]) -> np.ndarray:
     """Blocks ``[m, 7]`` (q_start, q_end, k_start, k_end, causal, left, right) of a windowed mask: every
-    query piece of ``q`` against the key pieces of ``k`` of its document, keeping the pairs where some key
-    position minus query position lies in ``[lo, hi]`` (None = unbounded), each trimmed to the rows that
-    see a key and the keys some row sees, with its band in the blocks' bottom-right convention."""
+    query piece of ``q`` against the key pieces of ``k`` of its document where some key position minus query
+    position lies in ``[lo, hi]`` (None = unbounded), each trimmed to the rows that see a key and the keys
+    some row sees, with its band in the blocks' bottom-right convention."""
     lo_, hi_ = (-_FAR if lo is None else lo), (_FAR if hi is None else hi)
-    first = np.searchsorted(k[:, 0], q[:, 0], side="left")
-    counts = np.searchsorted(k[:, 0], q[:, 0], side="right") - first
-    total = int(counts.sum())
-    qi = np.repeat(np.arange(len(q)), counts)
-    ki = np.repeat(first - (np.cumsum(counts) - counts), counts) + np.arange(total)
+    qi, ki = _join(q, k, lo_, hi_)
     qb, q0, q1 = q[qi, 1], q[qi, 2], q[qi, 3]
     kb, k0, k1 = k[ki, 1], k[ki, 2], k[ki, 3]
     r0, r1 = np.maximum(q0, k0 - hi_), np.minimum(q1, k1 - lo_)  # rows that see a key of the piece
     c0, c1 = np.maximum(k0, q0 + lo_), np.minimum(k1, q1 + hi_)  # keys some row sees
-    keep = (r1 > r0) & (c1 > c0)
-    qb, q0, kb, k0, r0, r1, c0, c1 = (x[keep] for x in (qb, q0, kb, k0, r0, r1, c0, c1))
     corner = c1 - r1  # key - query on the trimmed block's bottom-right diagonal, inside [lo, hi]
     left, right = corner - lo_, hi_ - corner
     left = np.where((lo is None) | (left >= c1 - c0 - 1), -1, left)  # a bound that cuts nothing is dropped
@@ -247,21 +263,25 @@ def _windowed_pair_blocks(q: np.ndarray, k: np.ndarray, lo: Optional[int], hi: O
                     axis=1)
 
 
-def _pair_blocks_for(q: np.ndarray, k: np.ndarray, causal: bool, window: Window) -> np.ndarray:
-    """``_pair_blocks`` without a window, ``_windowed_pair_blocks`` with one (columns 0-4 alike)."""
+def _pair_blocks_for(q: np.ndarray, k: np.ndarray, causal: bool, window: Window, width: int = _FAR) -> np.ndarray:
+    """``_pair_blocks`` without a window, ``_windowed_pair_blocks`` with one (columns 0-4 alike). With ``k``
+    several buffers laid end to end ``width`` apart (``_stack``), the blocks come buffer by buffer, each
+    buffer's as on its own."""
     if window is None:
-        return _merge_adjacent_keys(_pair_blocks(q, k, causal))
-    return _windowed_pair_blocks(q, k, *document_bounds(causal, window))
+        return _merge_adjacent_keys(_pair_blocks(q, k, causal), width)
+    blocks = _windowed_pair_blocks(q, k, *document_bounds(causal, window))
+    return np.take(blocks, np.argsort(blocks[:, 2] // width, kind="stable"), axis=0)
 
 
-def _merge_adjacent_keys(blocks: np.ndarray) -> np.ndarray:
+def _merge_adjacent_keys(blocks: np.ndarray, width: int = _FAR) -> np.ndarray:
     """Join a full block with the next block of the same query rows whose keys start where its keys end
     (a zigzag chunk sees both chunks of an earlier rank, or the full part of its own causal diagonal):
     the same mask in fewer kernel calls and LSE merges. The joined block keeps the second's causal flag,
-    whose bottom-right alignment is unchanged (same key end, same query rows)."""
+    whose bottom-right alignment is unchanged (same key end, same query rows). Sorted by key buffer
+    (``_pair_blocks_for``'s ``width``), then query rows, then keys."""
     if len(blocks) < 2:
         return blocks
-    blocks = blocks[np.lexsort((blocks[:, 2], blocks[:, 1], blocks[:, 0]))]
+    blocks = np.take(blocks, _block_order(blocks, width), axis=0)
     joins = ((blocks[1:, 0] == blocks[:-1, 0]) & (blocks[1:, 1] == blocks[:-1, 1])
              & (blocks[1:, 2] == blocks[:-1, 3]) & (blocks[:-1, 4] == 0))
     if not joins.any():
@@ -272,29 +292,145 @@ def _merge_adjacent_keys(blocks: np.ndarray) -> np.ndarray:
                     axis=1)
 
 
-def _to_blocks(blocks: np.ndarray) -> AttentionBlocks:
-    if not len(blocks):
-        return AttentionBlocks()
-    qs, qe, ks, ke, c = (tuple(col.tolist()) for col in blocks[:, :5].T)
-    windows = tuple(zip(blocks[:, 5].tolist(), blocks[:, 6].tolist())) if blocks.shape[1] > 5 else ()
-    if all(w == UNBOUNDED for w in windows):
-        windows = ()
-    return AttentionBlocks(qs, qe, ks, ke, tuple(bool(x) for x in c), windows)
+def _block_order(blocks: np.ndarray, width: int) -> np.ndarray:
+    """The order sorting blocks by key buffer (``k_start // width``), query start, query end, key start: two
+    stable argsorts of combined keys (each under 2**62 for buffers under 2**31 rows), faster than ``lexsort``."""
+    buffer, key = np.divmod(blocks[:, 2], width)
+    rows = 1 + int(blocks[:, 1].max())
+    order = np.argsort(blocks[:, 1] * (1 + int(key.max())) + key, kind="stable")
+    return order[np.argsort((buffer * rows + blocks[:, 0])[order], kind="stable")]
 
 
-def _needed_rows(blocks: np.ndarray) -> Tuple[RowRanges, np.ndarray]:
-    """The key owner's rows the blocks touch (merged ranges) and each block's shift into the packed rows."""
-    order = np.argsort(blocks[:, 2], kind="stable")
-    starts, ends = blocks[order, 2], blocks[order, 3]
+def _touched_keys(q: np.ndarray, k: np.ndarray, causal: bool, window: Window
+                  ) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per pair of ``_join``: its query piece, and the rows ``[start, end)`` of ``k``'s buffer that some query
+    of the piece sees (the keys of the pair's blocks)."""
+    lo, hi = _reach(causal, window)
+    qi, ki = _join(q, k, lo, hi)
+    k0 = k[ki, 2]
+    shift = k[ki, 1] - k0
+    return qi, np.maximum(k0, q[qi, 2] + lo) + shift, np.minimum(k[ki, 3], q[qi, 3] + hi) + shift
+
+
+def _split_blocks(blocks: np.ndarray, bounds: Sequence[int]) -> List[AttentionBlocks]:
+    """The ``AttentionBlocks`` of rows ``[bounds[i], bounds[i + 1])`` of ``blocks`` (``_pair_blocks_for``'s
+    columns) for every i, converted to Python ints in one pass."""
+    q_starts, q_ends, k_starts, k_ends = blocks[:, :4].T.tolist()
+    causal = blocks[:, 4].astype(bool).tolist()
+    windowed = blocks.shape[1] > 5
+    if windowed:
+        left, right = blocks[:, 5].tolist(), blocks[:, 6].tolist()
+        bounded = np.concatenate([[0], np.cumsum((blocks[:, 5] != -1) | (blocks[:, 6] != -1))]).tolist()
+    result = []
+    for a, b in zip(bounds[:-1], bounds[1:]):
+        windows = tuple(zip(left[a:b], right[a:b])) if windowed and bounded[b] > bounded[a] else ()
+        result.append(AttentionBlocks(tuple(q_starts[a:b]), tuple(q_ends[a:b]), tuple(k_starts[a:b]),
+                                      tuple(k_ends[a:b]), tuple(causal[a:b]), windows))
+    return result
+
+
+def _union(starts: np.ndarray, ends: np.ndarray) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The rows the intervals ``[starts, ends)`` cover, as sorted ranges (overlapping or touching ones joined),
+    and the range holding each interval."""
+    order = np.argsort(starts, kind="stable")
+    starts, ends = starts[order], ends[order]
     opens = np.ones(len(starts), dtype=bool)
     opens[1:] = starts[1:] > np.maximum.accumulate(ends)[:-1]
     first = np.flatnonzero(opens)
-    range_starts = starts[first]
-    range_ends = np.maximum.reduceat(ends, first)
-    packed_starts = np.concatenate([[0], np.cumsum(range_ends - range_starts)[:-1]])
-    which = np.searchsorted(range_starts, blocks[:, 2], side="right") - 1
-    ranges = tuple(zip(range_starts.tolist(), range_ends.tolist()))
-    return RowRanges(ranges), packed_starts[which] - range_starts[which]
+    which = np.empty(len(order), dtype=np.int64)
+    which[order] = np.cumsum(opens) - 1
+    return starts[first], np.maximum.reduceat(ends, first) if len(first) else ends, which
+
+
+def _ranges_by_group(starts: np.ndarray, ends: np.ndarray, group: np.ndarray, width: int,
+                     count: int) -> List[Tuple[Tuple[int, int], ...]]:
+    """For each group ``0 .. count - 1`` the ``_union`` of its intervals (rows of buffers shorter than ``width``)."""
+    offset = group * width
+    range_starts, range_ends, _ = _union(starts + offset, ends + offset)
+    bounds = np.searchsorted(range_starts, np.arange(count + 1) * width).tolist()
+    offset = range_starts // width * width
+    range_starts, range_ends = (range_starts - offset).tolist(), (range_ends - offset).tolist()
+    return [tuple(zip(range_starts[a:b], range_ends[a:b])) for a, b in zip(bounds[:-1], bounds[1:])]
+
+
+def _group_sums(values: np.ndarray, group: np.ndarray, count: int) -> List[int]:
+    """Sum of ``values`` per group ``0 .. count - 1`` (``group`` non-decreasing)."""
+    total = np.concatenate([[0], np.cumsum(values)])
+    bounds = np.searchsorted(group, np.arange(count + 1))
+    return (total[bounds[1:]] - total[bounds[:-1]]).tolist()
+
+
+def _stack(tables: Sequence[np.ndarray], members: Sequence[int], width: int) -> np.ndarray:
+    """One piece table for the buffers of ``members`` laid end to end, member m's at ``m * width``, sorted by
+    document then position (as ``piece_tables``): joining a table with it joins it with each of theirs at
+    once (a position lives in one buffer)."""
+    if not members:
+        return np.zeros((0, 4), dtype=np.int64)
+    stacked = np.concatenate([tables[m] for m in members])
+    stacked[:, 1] += np.repeat(np.asarray(members, dtype=np.int64) * width, [len(tables[m]) for m in members])
+    return np.take(stacked, _document_order(stacked[:, 0], stacked[:, 2]), axis=0)
+
+
+def _document_order(doc: np.ndarray, position: np.ndarray) -> np.ndarray:
+    """The order sorting ``(doc, position)`` pairs (a stable argsort of one key: faster than ``lexsort``)."""
+    span = 1 + int(position.max()) if len(position) else 1
+    return np.argsort(doc * span + position, kind="stable")
+
+
+def _packed_table(doc: np.ndarray, start: np.ndarray, end: np.ndarray, group: np.ndarray, width: int,
+                  count: int) -> Tuple[np.ndarray, List[int]]:
+    """The ``_stack``ed piece table of buffers gathering, in order, the positions ``[start, end)`` of documents
+    ``doc``, one buffer per group (``group`` non-decreasing), and each buffer's rows. Consecutive ranges that
+    continue each other (same document, next position) form one piece."""
+    length = end - start
+    if not len(doc):
+        return np.zeros((0, 4), dtype=np.int64), [0] * count
+    head = np.ones(len(doc), dtype=bool)
+    head[1:] = (group[1:] != group[:-1]) | (doc[1:] != doc[:-1]) | (start[1:] != end[:-1])
+    heads = np.flatnonzero(head)
+    tails = np.append(heads[1:], len(doc)) - 1
+    packed = np.cumsum(length) - length
+    buffer = packed[heads] - packed[np.searchsorted(group, group[heads])] + group[heads] * width
+    table = np.stack([doc[heads], buffer, start[heads], end[tails]], axis=1)
+    return np.take(table, _document_order(doc[heads], start[heads]), axis=0), _group_sums(length, group, count)
+
+
+def _grouped_blocks(mine: np.ndarray, stacked: np.ndarray, width: int, count: int, causal: bool,
+                    window: Window) -> Tuple[np.ndarray, List[int]]:
+    """The blocks of ``mine``'s queries on each buffer of a ``_stack``ed table, buffer by buffer (keys in that
+    buffer's rows), and where each buffer's blocks start (``count + 1`` bounds)."""
+    blocks = _pair_blocks_for(mine, stacked, causal, window, width)
+    group = blocks[:, 2] // width
+    blocks[:, 2:4] -= group[:, None] * width
+    return blocks, np.searchsorted(group, np.arange(count + 1)).tolist()
+
+
+def _direct_receives(mine: np.ndarray, stacked: np.ndarray, member: int, srcs: Sequence[int], ring_size: int,
+                     width: int, causal: bool, window: Window) -> List[RecvStep]:
+    """What ``member`` (piece table ``mine``) receives straight from each of ``srcs`` (buffers in ``stacked``,
+    ``_stack``'s form): the rows its queries touch, packed in the receive buffer, with the blocks shifted
+    onto them."""
+    blocks, bounds = _grouped_blocks(mine, stacked, width, ring_size, causal, window)
+    offset = np.repeat(np.arange(ring_size) * width, np.diff(bounds))  # sources' rows kept apart
+    starts, ends, which = _union(blocks[:, 2] + offset, blocks[:, 3] + offset)
+    packed = np.concatenate([[0], np.cumsum(ends - starts)])  # rows before each range
+    source_bounds = np.searchsorted(starts, np.arange(ring_size + 1) * width)
+    source_first = packed[source_bounds[:-1]]  # rows before each source's first range
+    shift = (packed[:-1] - np.repeat(source_first, np.diff(source_bounds)) - starts)[which] + offset
+    blocks[:, 2] += shift
+    blocks[:, 3] += shift
+    rows = (packed[source_bounds[1:]] - source_first).tolist()
+    steps = _split_blocks(blocks, bounds)
+    return [RecvStep((member - src) % ring_size, src, rows[src], steps[src]) for src in srcs if rows[src]]
+
+
+def _direct_sends(mine: np.ndarray, stacked: np.ndarray, member: int, dsts: Sequence[int], ring_size: int,
+                  width: int, causal: bool, window: Window) -> List[SendStep]:
+    """What ``member`` sends straight to each of ``dsts`` (buffers in ``stacked``): the rows of its buffer
+    their queries touch."""
+    query, starts, ends = _touched_keys(stacked, mine, causal, window)
+    ranges = _ranges_by_group(starts, ends, stacked[query, 1] // width, width, ring_size)
+    return [SendStep((dst - member) % ring_size, dst, RowRanges(ranges[dst])) for dst in dsts if ranges[dst]]
 
 
 def build_member_schedule(tables: Sequence[np.ndarray], member: int, causal: bool, window: Window = None,
@@ -304,168 +440,189 @@ def build_member_schedule(tables: Sequence[np.ndarray], member: int, causal: boo
 
     ``node_of_member`` (node of each ring member) turns on node-level K/V forwarding
     (``_NodeForwarding``): a remote member's rows needed by several members of a node cross the
-    node boundary once, to one of them, which relays them to the others."""
+    node boundary once, to one of them, which relays them to the others. Every exchange with every other
+    member is worked out at once, on the other members' piece tables laid end to end (``_stack``)."""
     ring_size = len(tables)
     mine = tables[member]
-    local = _to_blocks(_pair_blocks_for(mine, mine, causal, window))
-    relay = None if node_of_member is None else _NodeForwarding(tables, node_of_member, causal, window)
-    recv_steps, send_steps = [], []
-    for distance in range(1, ring_size):
-        src = (member - distance) % ring_size
-        if relay is not None and relay.forwarded(member, src):
-            rows = relay.assigned(member, src)
-            if rows.any():
-                table = relay.rows_table([(src, rows)])
-                recv_steps.append(RecvStep(distance, src, int(rows.sum()),
-                                           _to_blocks(_pair_blocks_for(mine, table, causal, window)),
-                                           deferred=relay.relays_from(member, src)))
-        else:
-            blocks = _pair_blocks_for(mine, tables[src], causal, window)
-            if len(blocks):
-                rows, shift = _needed_rows(blocks)
-                blocks[:, 2] += shift
-                blocks[:, 3] += shift
-                recv_steps.append(RecvStep(distance, src, rows.num_rows, _to_blocks(blocks)))
-        dst = (member + distance) % ring_size
-        if relay is not None and relay.forwarded(dst, member):
-            rows = relay.assigned(dst, member)
-            if rows.any():
-                send_steps.append(SendStep(distance, dst, RowRanges(_mask_ranges(rows)),
-                                           deferred=relay.relays_from(dst, member)))
-        else:
-            blocks = _pair_blocks_for(tables[dst], mine, causal, window)
-            if len(blocks):
-                send_steps.append(SendStep(distance, dst, _needed_rows(blocks)[0]))
+    width = 1 + max((int((t[:, 1] + t[:, 3] - t[:, 2]).max()) for t in tables if len(t)), default=0)
+    local_blocks = _pair_blocks_for(mine, mine, causal, window)
+    local = _split_blocks(local_blocks, [0, len(local_blocks)])[0]
+    relay = None if node_of_member is None else _NodeForwarding(tables, node_of_member, causal, window, width)
+    srcs = [(member - distance) % ring_size for distance in range(1, ring_size)]
+    dsts = [(member + distance) % ring_size for distance in range(1, ring_size)]
+    if relay is not None:
+        srcs = [src for src in srcs if not relay.forwarded(member, src)]
+        dsts = [dst for dst in dsts if not relay.forwarded(dst, member)]
+    stacked = _stack(tables, sorted(set(srcs) | set(dsts)), width)
+    recv_steps = _direct_receives(mine, stacked, member, srcs, ring_size, width, causal, window)
+    send_steps = _direct_sends(mine, stacked, member, dsts, ring_size, width, causal, window)
     if relay is None:
         return MemberSchedule(local, tuple(recv_steps), tuple(send_steps))
-    relay_sends, relay_recvs = [], []
-    for distance in range(1, ring_size):
-        dst, src = (member + distance) % ring_size, (member - distance) % ring_size
-        if node_of_member[dst] == node_of_member[member]:
-            parts = relay.relayed(member, dst)
-            if parts:  # positions in the buffer received from s, which holds the rows assigned to this member
-                relay_sends.append(RelaySend(distance, dst, tuple(
-                    ((member - s) % ring_size, RowRanges(_mask_ranges(rows[relay.assigned(member, s)])))
-                    for s, rows in parts)))
-        if node_of_member[src] == node_of_member[member]:
-            parts = relay.relayed(src, member)
-            if parts:
-                relay_recvs.append(RecvStep(distance, src, sum(int(rows.sum()) for _, rows in parts),
-                                            _to_blocks(_pair_blocks_for(mine, relay.rows_table(parts), causal,
-                                                                        window))))
-    return MemberSchedule(local, tuple(recv_steps), tuple(send_steps), tuple(relay_sends), tuple(relay_recvs))
+    received, relay_sends, relay_recvs = relay.incoming(member)
+    by_distance = lambda step: step.distance  # noqa: E731
+    return MemberSchedule(local, tuple(sorted(recv_steps + received, key=by_distance)),
+                          tuple(sorted(send_steps + relay.outgoing(member), key=by_distance)),
+                          tuple(sorted(relay_sends, key=by_distance)), tuple(sorted(relay_recvs, key=by_distance)))
 
 
 class _NodeForwarding:
-    """Who receives which remote rows under node-level forwarding (row sets as bool masks over the
-    owner's member buffer).
+    """Who receives which remote rows under node-level forwarding.
 
     For a node N and a member ``src`` on another node, the rows of ``src`` that some member of N needs
-    cross once: each goes to the first member of N needing it (``assigned``), in an order of N's members
-    rotated by ``src`` so that different sources are relayed by different members, and that member relays
-    it to the other members of N needing it (``relayed``). Every rank derives the same assignment from the
-    plan, so both sides of every message agree without asking."""
+    cross once: each goes to the first member of N needing it, in an order of N's members rotated by
+    ``src`` so that different sources are relayed by different members, and that member relays it to the
+    other members of N needing it. Every rank derives the same assignment from the plan, so both sides of
+    every message agree without asking.
+
+    Rows are found by their keys on one line of (node, document, position): the reaches of a node's members
+    (the keys some query of theirs sees) cut the node's part of the line into segments each needed by a fixed
+    set of its members, and the rows of a member needed by a node are its pieces' overlaps with those
+    segments, so the work follows the number of pieces, not of rows.
+    """
 
     def __init__(self, tables: Sequence[np.ndarray], node_of_member: Sequence[int], causal: bool,
-                 window: Window) -> None:
-        self.tables, self.nodes, self.causal, self.window = tables, list(node_of_member), causal, window
+                 window: Window, width: int) -> None:
+        self.tables, self.causal, self.window, self.width = tables, causal, window, width
+        self.nodes = list(node_of_member)
         self.members: Dict[int, List[int]] = defaultdict(list)
         for m, node in enumerate(self.nodes):
             self.members[node].append(m)
-        self.num_docs = 1 + max((int(t[:, 0].max()) for t in tables if len(t)), default=0)
-        self._rows: Dict[int, Tuple[np.ndarray, np.ndarray]] = {}
-        self._horizons: Dict[int, np.ndarray] = {}
-        self._per_source: Dict[Tuple[int, int], Tuple[List[int], np.ndarray, np.ndarray]] = {}
+        self.index = [0] * len(self.nodes)  # each member's place among its node's members
+        for members in self.members.values():
+            for i, m in enumerate(members):
+                self.index[m] = i
+        stacked = np.concatenate(tables)
+        owner = np.repeat(np.arange(len(tables)), [len(t) for t in tables])
+        self.span = 1 + int(stacked[:, 3].max()) if len(stacked) else 1  # past every position
+        docs = 1 + int(stacked[:, 0].max()) if len(stacked) else 1
+        node_rank = {node: i for i, node in enumerate(sorted(self.members))}
+        #: Where each member's node starts on the line.
+        self.line_start = np.array([node_rank[node] * docs * self.span for node in self.nodes], dtype=np.int64)
+        lo, hi = document_bounds(causal, window)
+        first = np.clip(stacked[:, 2] + (-_FAR if lo is None else lo), 0, self.span - 1)
+        last = np.clip(stacked[:, 3] + (_FAR if hi is None else hi), 0, self.span - 1)
+        keep = last > first
+        base = (self.line_start[owner] + stacked[:, 0] * self.span)[keep]
+        starts, ends, column = base + first[keep], base + last[keep], np.asarray(self.index)[owner[keep]]
+        points = np.concatenate([starts, ends])
+        order = np.argsort(points, kind="stable")  # merges the members' sorted runs
+        distinct = np.ones(len(points), dtype=bool)
+        distinct[1:] = points[order[1:]] != points[order[:-1]]
+        boundary = np.empty(len(points), dtype=np.int64)  # each reach end's place among the distinct ones
+        boundary[order] = np.cumsum(distinct) - 1
+        bounds = points[order[distinct]]
+        columns = max(len(members) for members in self.members.values())
+        cells = len(bounds) * columns
+        opened = np.bincount(column * len(bounds) + boundary[:len(starts)], minlength=cells)
+        closed = np.bincount(column * len(bounds) + boundary[len(starts):], minlength=cells)
+        #: Segment j = [bounds[j], bounds[j + 1]): need[i, j] whether member i of the node there reaches it.
+        self.need = np.cumsum((opened - closed).reshape(columns, -1), axis=1) > 0
+        self.shared = self.need.sum(axis=0) > 1  # needed by several members: relayed
+        #: next_needing[r, j]: the first member at place r or after needing segment j (``columns``: none).
+        self.next_needing = np.full((columns + 1, len(bounds)), columns, dtype=np.int64)
+        for place in range(columns - 1, -1, -1):
+            self.next_needing[place] = np.where(self.need[place], place, self.next_needing[place + 1])
+        self.bounds = np.append(bounds, np.iinfo(np.int64).max)
 
     def forwarded(self, dst: int, src: int) -> bool:
         """Whether rows of ``src`` reach ``dst`` through forwarding (other node, several members on dst's)."""
         return self.nodes[dst] != self.nodes[src] and len(self.members[self.nodes[dst]]) > 1
 
-    def _row_docs(self, src: int) -> Tuple[np.ndarray, np.ndarray]:
-        """(document, in-document position) of every row of ``src``'s buffer (-1: padding)."""
-        if src not in self._rows:
-            table = self.tables[src]
-            lengths = table[:, 3] - table[:, 2]
-            first = np.cumsum(lengths) - lengths
-            rows = int((table[:, 1] + lengths).max()) if len(table) else 0
-            doc, pos = np.full(rows, -1, dtype=np.int64), np.zeros(rows, dtype=np.int64)
-            at = np.arange(int(lengths.sum()))
-            index = at + np.repeat(table[:, 1] - first, lengths)
-            doc[index] = np.repeat(table[:, 0], lengths)
-            pos[index] = at + np.repeat(table[:, 2] - first, lengths)
-            self._rows[src] = doc, pos
-        return self._rows[src]
+    def _overlaps(self, table: np.ndarray, line_start: np.ndarray
+                  ) -> Tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """(piece, segment, start, end): the positions ``[start, end)`` of each piece of ``table`` (placed on
+        the line at ``line_start``, one per piece) in each segment some member needs."""
+        base = line_start + table[:, 0] * self.span
+        x0, x1 = base + table[:, 2], base + table[:, 3]
+        lo = np.maximum(np.searchsorted(self.bounds, x0, side="right") - 1, 0)
+        counts = np.maximum(np.searchsorted(self.bounds, x1, side="left") - lo, 0)
+        piece = np.repeat(np.arange(len(table)), counts)
+        segment = np.repeat(lo - (np.cumsum(counts) - counts), counts) + np.arange(int(counts.sum()))
+        needed = self.next_needing[0, segment] < len(self.need)
+        piece, segment = piece[needed], segment[needed]
+        return (piece, segment, np.maximum(x0[piece], self.bounds[segment]) - base[piece],
+                np.minimum(x1[piece], self.bounds[segment + 1]) - base[piece])
 
-    def _needed(self, dst: int, src: int) -> np.ndarray:
-        """Rows of ``src``'s buffer that some query of ``dst`` attends. Without a window: keys of a document
-        ``dst`` holds, before its last query of the document when causal (what the blocks touch)."""
-        doc, pos = self._row_docs(src)
-        if self.window is not None:
-            mask = np.zeros(len(doc), dtype=bool)
-            blocks = _pair_blocks_for(self.tables[dst], self.tables[src], self.causal, self.window)
-            for s, e in (_needed_rows(blocks)[0].ranges if len(blocks) else ()):
-                mask[s:e] = True
-            return mask
-        if dst not in self._horizons:
-            horizon = np.zeros(self.num_docs + 1, dtype=np.int64)  # the last entry: padding rows (doc -1)
-            table = self.tables[dst]
-            np.maximum.at(horizon, table[:, 0], table[:, 3] if self.causal else np.full(len(table), 1 << 62))
-            self._horizons[dst] = horizon
-        return pos < self._horizons[dst][doc]
+    def _first_needing(self, segment: np.ndarray, rotation: np.ndarray, size: np.ndarray) -> np.ndarray:
+        """Per segment, the member (place on its node of ``size`` members) it crosses to: the first needing it
+        in the node's order rotated by ``rotation``."""
+        after = self.next_needing[rotation, segment]
+        return np.where(after < size, after, self.next_needing[0, segment])
 
-    def _source(self, node: int, src: int) -> Tuple[List[int], np.ndarray, np.ndarray]:
-        """(members of ``node`` in the order rotated by ``src``, their needed rows ``[M, rows]``, their
-        assigned rows ``[M, rows]``)."""
-        key = (node, src)
-        if key not in self._per_source:
-            members = self.members[node]
-            first = src % len(members)
-            order = members[first:] + members[:first]
-            needed = np.stack([self._needed(m, src) for m in order])
-            earlier = np.zeros_like(needed)
-            earlier[1:] = np.logical_or.accumulate(needed[:-1], axis=0)
-            self._per_source[key] = order, needed, needed & ~earlier
-        return self._per_source[key]
+    def incoming(self, member: int) -> Tuple[List[RecvStep], List[RelaySend], List[RecvStep]]:
+        """What ``member`` receives from other nodes, what it relays to the members of its node, and what
+        they relay to it."""
+        node, me, ring_size = self.nodes[member], self.index[member], len(self.tables)
+        members = self.members[node]
+        srcs = [src for src in range(ring_size) if self.nodes[src] != node]
+        if len(members) == 1 or not srcs:
+            return [], [], []
+        table = np.concatenate([self.tables[src] for src in srcs])
+        source = np.repeat(np.arange(len(srcs)), [len(self.tables[src]) for src in srcs])
+        piece, segment, start, end = self._overlaps(table, self.line_start[member])
+        size = np.full(len(piece), len(members))
+        owner = self._first_needing(segment, np.asarray(srcs)[source[piece]] % size, size)
+        keep = (owner == me) | self.need[me, segment]
+        piece, segment, start, end, owner = piece[keep], segment[keep], start[keep], end[keep], owner[keep]
+        group = source[piece]
+        order = np.argsort(group * self.width + table[piece, 1] + start - table[piece, 2])  # source, buffer order
+        piece, segment, start, end, owner, group = (x[order] for x in (piece, segment, start, end, owner, group))
+        doc = table[piece, 0]
+        distance = [(member - src) % ring_size for src in srcs]
 
-    def assigned(self, dst: int, src: int) -> np.ndarray:
-        """Rows of ``src`` that cross the node boundary to ``dst`` (bool mask over ``src``'s buffer)."""
-        order, _, assigned = self._source(self.nodes[dst], src)
-        return assigned[order.index(dst)]
+        # The rows assigned to this member, each source's in one receive buffer.
+        mine = owner == me
+        stacked, rows = _packed_table(doc[mine], start[mine], end[mine], group[mine], self.width, len(srcs))
+        blocks, bounds = _grouped_blocks(self.tables[member], stacked, self.width, len(srcs), self.causal,
+                                         self.window)
+        deferred = np.bincount(group[mine][self.shared[segment[mine]]], minlength=len(srcs)) > 0
+        received = [RecvStep(distance[g], src, rows[g], step_blocks, deferred=bool(deferred[g]))
+                    for g, (src, step_blocks) in enumerate(zip(srcs, _split_blocks(blocks, bounds))) if rows[g]]
 
-    def relayed(self, relay: int, dst: int) -> List[Tuple[int, np.ndarray]]:
-        """(src, rows of src's buffer) that ``relay`` passes on to ``dst`` (same node), in increasing src."""
-        parts = []
-        for src in range(len(self.nodes)):
-            if self.nodes[src] != self.nodes[relay]:
-                order, needed, assigned = self._source(self.nodes[relay], src)
-                rows = assigned[order.index(relay)] & needed[order.index(dst)]
-                if rows.any():
-                    parts.append((src, rows))
-        return parts
+        # Of those, what each other member of the node needs, as rows of the receive buffers.
+        length = (end - start)[mine]
+        at = np.cumsum(length) - length
+        at -= at[np.searchsorted(group[mine], group[mine])]
+        relay_sends = []
+        for i, dst in enumerate(members):
+            if dst != member:
+                needed = self.need[i, segment[mine]]
+                ranges = _ranges_by_group(at[needed], (at + length)[needed], group[mine][needed], self.width,
+                                          len(srcs))
+                parts = tuple((distance[g], RowRanges(r)) for g, r in enumerate(ranges) if r)
+                if parts:
+                    relay_sends.append(RelaySend((dst - member) % ring_size, dst, parts))
 
-    def relays_from(self, relay: int, src: int) -> bool:
-        """Whether ``relay`` passes on some rows it received from ``src``."""
-        order, needed, assigned = self._source(self.nodes[relay], src)
-        i = order.index(relay)
-        others = np.delete(needed, i, axis=0).any(axis=0)
-        return bool((assigned[i] & others).any())
+        # What the other members of the node relay to this one: one buffer per relay, sources in order.
+        theirs = np.flatnonzero(~mine)
+        theirs = theirs[np.argsort(owner[theirs], kind="stable")]
+        width = 1 + int((end - start)[theirs].sum())  # a relayed buffer holds rows of several sources
+        stacked, rows = _packed_table(doc[theirs], start[theirs], end[theirs], owner[theirs], width, len(members))
+        blocks, bounds = _grouped_blocks(self.tables[member], stacked, width, len(members), self.causal,
+                                         self.window)
+        relay_recvs = [RecvStep((member - src) % ring_size, src, rows[i], step_blocks)
+                       for i, (src, step_blocks) in enumerate(zip(members, _split_blocks(blocks, bounds)))
+                       if rows[i]]
+        return received, relay_sends, relay_recvs
 
-    def rows_table(self, parts: Sequence[Tuple[int, np.ndarray]]) -> np.ndarray:
-        """Piece table (``piece_tables``' form) of a buffer concatenating, for each ``(src, rows)`` of
-        ``parts``, the rows of ``src``'s buffer selected by the mask, in order."""
-        docs, positions = [], []
-        for src, rows in parts:
-            doc, pos = self._row_docs(src)
-            docs.append(doc[:len(rows)][rows[:len(doc)]])
-            positions.append(pos[:len(rows)][rows[:len(doc)]])
-        doc, pos = np.concatenate(docs), np.concatenate(positions)
-        heads = np.flatnonzero(np.concatenate([[True], (doc[1:] != doc[:-1]) | (pos[1:] != pos[:-1] + 1)]))
-        tails = np.append(heads[1:], len(doc)) - 1
-        table = np.stack([doc[heads], heads, pos[heads], pos[tails] + 1], axis=1)
-        return table[np.lexsort((table[:, 2], table[:, 0]))]
-
-
-def _mask_ranges(mask: np.ndarray) -> Tuple[Tuple[int, int], ...]:
-    """The ``[start, end)`` runs of True in a bool mask."""
-    edges = np.diff(np.concatenate([[0], mask.astype(np.int8), [0]]))
-    return tuple(zip(np.flatnonzero(edges == 1).tolist(), np.flatnonzero(edges == -1).tolist()))
+    def outgoing(self, member: int) -> List[SendStep]:
+        """What ``member`` sends to members of other nodes under forwarding: to each, the rows assigned to it."""
+        ring_size, mine = len(self.tables), self.tables[member]
+        targets = [node for node in sorted(self.members) if node != self.nodes[member] and len(self.members[node]) > 1]
+        if not targets:
+            return []
+        firsts = [self.members[node][0] for node in targets]
+        table = np.tile(mine, (len(targets), 1))
+        target = np.repeat(np.arange(len(targets)), len(mine))
+        piece, segment, start, end = self._overlaps(table, self.line_start[np.asarray(firsts)][target])
+        size = np.asarray([len(self.members[node]) for node in targets])[target[piece]]
+        owner = self._first_needing(segment, member % size, size)
+        members = np.zeros((len(targets), len(self.need)), dtype=np.int64)  # by target node and place
+        for t, node in enumerate(targets):
+            members[t, :len(self.members[node])] = self.members[node]
+        dst = members[target[piece], owner]
+        buffer = table[piece, 1] - table[piece, 2]
+        ranges = _ranges_by_group(buffer + start, buffer + end, dst, self.width, ring_size)
+        deferred = np.bincount(dst[self.shared[segment]], minlength=ring_size) > 0
+        return [SendStep((d - member) % ring_size, d, RowRanges(r), deferred=bool(deferred[d]))
+                for d, r in enumerate(ranges) if r]
