@@ -610,7 +610,7 @@ def _cut_rows(sides: Sequence[Sequence[_Item]]) -> int:
 def _reopened(items: List[_Item], sides: List[List[_Item]], rooms: Tuple[int, int], targets: Tuple[float, float],
               slack: float) -> List[List[_Item]]:
     """The greedy bisection's cuts searched again: the documents it cut, whole, and the shortest whole items of
-    each side (alternately, up to ``_EXHAUSTIVE`` items) are split again over every subset
+    each side (alternately, ``_REOPENED`` items in all) are split again over every subset
     (``_exhaustive_bisection``), the other items staying where they are; kept when it moves fewer rows.
 
     A greedy cut leaves its holder at the edge of feasibility, so the items placed after it are cut too (three
