@@ -2,7 +2,7 @@
 
 Every run is the real command line in a subprocess (ranks forked by ``--nproc``,
 gloo), on the embedded packed corpus (stdlib sources, documents split at EOD),
-a tiny GPT (2 layers, hidden 64, 8 heads, seq 256), 4 micro-batches per
+a tiny GPT (2 layers, hidden 64, 8 heads, seq 256), 2 micro-batches per
 iteration and ``--layout-independent-init`` so every parallel layout starts from
 the same weights.
 
@@ -50,7 +50,7 @@ def _run_logged(tmp_path, cache_dir: str, nproc: int, name: str, *flags: str) ->
     """A successful run of the tiny GPT: its ``stdout`` and iteration ``records`` (its evaluation records:
     ``_evaluations(tmp_path, name)``). No evaluation unless ``flags`` ask for it (``--eval-iters``)."""
     log = str(tmp_path / f"{name}.jsonl")
-    base = ["--train-iters", str(ITERS), "--lr-warmup-iters", "1", "--global-batch-size", "4",
+    base = ["--train-iters", str(ITERS), "--lr-warmup-iters", "1", "--global-batch-size", "2",
             "--layout-independent-init", "--no-progress-bar", "--data-cache-path", cache_dir, "--log-json", log,
             "--eval-iters", "0"]
     result = _run(base + list(flags), nproc)
