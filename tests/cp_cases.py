@@ -35,11 +35,18 @@ def local_attention_case(plan, h_q: int, h_kv: int, head_dim: int, dtype: torch.
     return [out.detach()] + [x.grad for x in local], [q, k, v, dout], measured
 
 
+def unshard_all(plan, tensors: List[torch.Tensor]) -> List[torch.Tensor]:
+    """``[plan.unshard(t) for t in tensors]`` for ``[t_local, heads, d]`` tensors of one dtype and head dim, with
+    one all-gather instead of one per tensor (concatenated along the head dimension, split again after)."""
+    heads = [t.shape[1] for t in tensors]
+    return list(plan.unshard(torch.cat([t.detach() for t in tensors], dim=1)).split(heads, dim=1))
+
+
 def attention_case(plan, h_q: int, h_kv: int, head_dim: int, dtype: torch.dtype, causal: bool, seed: int
                    ) -> Tuple[List[torch.Tensor], List[torch.Tensor]]:
     """Returns (global [out, dq, dk, dv] in fp64 on every rank, fp64 inputs [q, k, v, dout])."""
     local, inputs, _ = local_attention_case(plan, h_q, h_kv, head_dim, dtype, causal, seed)
-    return [plan.unshard(t).double() for t in local], inputs
+    return [t.double() for t in unshard_all(plan, local)], inputs
 
 
 def reference_errors(got: List[torch.Tensor], inputs: List[torch.Tensor], cu_seqlens: torch.Tensor, causal: bool,
