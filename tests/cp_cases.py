@@ -1,6 +1,6 @@
 """One distributed attention case against the fp64 reference, shared by the CP test files.
 
-``attention_case`` draws fp64 inputs from a seed (the same on every rank), runs this rank's shards
+``attention_case`` draws inputs (held in fp64) from a seed (the same on every rank), runs this rank's shards
 through ``context_parallel_attention`` forward and backward in ``dtype`` (``local_attention_case``,
 which also counts the forward's bytes), and gathers the global output and gradients on every rank; ``reference_errors`` compares them with the independent dense
 reference (``tests/reference.py``), on whichever rank calls it.
@@ -23,8 +23,11 @@ def local_attention_case(plan, h_q: int, h_kv: int, head_dim: int, dtype: torch.
 
     gen = torch.Generator().manual_seed(seed)
     total = plan.total_tokens
-    q, k, v = (torch.randn(total, h, head_dim, generator=gen, dtype=torch.float64) for h in (h_q, h_kv, h_kv))
-    dout = torch.randn(total, h_q, head_dim, generator=gen, dtype=torch.float64)
+    # drawn in fp32 (4x cheaper than fp64 draws, and every rank draws the whole batch) and held in fp64:
+    # the reference still computes in fp64 on exactly these values
+    q, k, v = (torch.randn(total, h, head_dim, generator=gen, dtype=torch.float32).double()
+               for h in (h_q, h_kv, h_kv))
+    dout = torch.randn(total, h_q, head_dim, generator=gen, dtype=torch.float32).double()
     local = [plan.shard(x).to(dtype).requires_grad_() for x in (q, k, v)]
     with count_comm() as measured:
         out = context_parallel_attention(*local, plan, causal=causal)
@@ -32,11 +35,18 @@ def local_attention_case(plan, h_q: int, h_kv: int, head_dim: int, dtype: torch.
     return [out.detach()] + [x.grad for x in local], [q, k, v, dout], measured
 
 
+def unshard_all(plan, tensors: List[torch.Tensor]) -> List[torch.Tensor]:
+    """``[plan.unshard(t) for t in tensors]`` for ``[t_local, heads, d]`` tensors of one dtype and head dim, with
+    one all-gather instead of one per tensor (concatenated along the head dimension, split again after)."""
+    heads = [t.shape[1] for t in tensors]
+    return list(plan.unshard(torch.cat([t.detach() for t in tensors], dim=1)).split(heads, dim=1))
+
+
 def attention_case(plan, h_q: int, h_kv: int, head_dim: int, dtype: torch.dtype, causal: bool, seed: int
                    ) -> Tuple[List[torch.Tensor], List[torch.Tensor]]:
     """Returns (global [out, dq, dk, dv] in fp64 on every rank, fp64 inputs [q, k, v, dout])."""
     local, inputs, _ = local_attention_case(plan, h_q, h_kv, head_dim, dtype, causal, seed)
-    return [plan.unshard(t).double() for t in local], inputs
+    return [t.double() for t in unshard_all(plan, local)], inputs
 
 
 def reference_errors(got: List[torch.Tensor], inputs: List[torch.Tensor], cu_seqlens: torch.Tensor, causal: bool,

@@ -18,7 +18,7 @@ from typing import Dict, List, Optional
 import pytest
 import torch
 
-from tests.cp_cases import bytes_match_plan, local_attention_case
+from tests.cp_cases import bytes_match_plan, local_attention_case, unshard_all
 from tests.distributed import run_distributed
 from tests.reference import dense_attention, hard_cases
 
@@ -58,7 +58,7 @@ def _run_cases(mode: str, ulysses_size: Optional[int], ranks_per_node: int, layo
         stats = plan.stats(h_q, h_kv, d, dtype, causal=causal)
         c = topo.cp_rank
         bytes_match = bytes_match_plan(stats, measured, topo, kv_forwarding)
-        globals_ = [plan.unshard(t) for t in local]
+        globals_ = unshard_all(plan, local)
         key = f"{name}/{layout}/h{h_q}:{h_kv}/d{d}/{'causal' if causal else 'full'}/{str(dtype)[6:]}"
         if c == 0:
             ref_in = [x.clone().requires_grad_() for x in (q, k, v)]

@@ -2,8 +2,10 @@
 
 It is the embedded default: the stdlib corpus, --context-parallel-mode hsap on 8 forked
 CPU ranks emulating 2 nodes (Ulysses inside a node, ring across). The preset's 150 iterations
-take ~2.5 minutes on 2 cores; the test overrides them to ITERS (the preset's own override path),
-which keeps every other flag of the README's command and still shows the loss falling.
+take ~2.5 minutes on 2 cores; the test overrides them to ITERS and the evaluation's 10 batches per
+split to EVAL_ITERS (the preset's own override path), which keeps every other flag of the README's
+command (model, layout, 10 warm-up iterations, logging every 10) and still shows the loss falling by
+more than 1 nat (5.27 at iteration 10 -> 4.04 at iteration 20).
 """
 
 from __future__ import annotations
@@ -16,7 +18,8 @@ import sys
 from megatron_hsap.training.quiet import fallback_summary
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-ITERS = 30
+ITERS = 20
+EVAL_ITERS = 3
 
 
 def test_cpu_demo_trains_with_hsap_across_two_emulated_nodes(tmp_path):
@@ -26,7 +29,8 @@ def test_cpu_demo_trains_with_hsap_across_two_emulated_nodes(tmp_path):
     env.pop("RANK", None)
     env.pop("WORLD_SIZE", None)
     result = subprocess.run([os.path.join(ROOT, "examples", "cpu_demo.sh"), "--log-json", str(log),
-                             "--data-cache-path", str(tmp_path), "--train-iters", str(ITERS)],
+                             "--data-cache-path", str(tmp_path), "--train-iters", str(ITERS),
+                             "--eval-iters", str(EVAL_ITERS)],
                             cwd=ROOT, env=env, capture_output=True, text=True, timeout=840)
     assert result.returncode == 0, result.stderr[-4000:]
     # clean output: no warnings from the 8 ranks; Megatron-Core's fallback notices are one rank-0 line
@@ -41,5 +45,5 @@ def test_cpu_demo_trains_with_hsap_across_two_emulated_nodes(tmp_path):
     assert [r["iteration"] for r in records] == list(range(10, ITERS + 1, 10))
     assert [e["evaluation"] for e in entries if "evaluation" in e] == ["validation", "test"]
     assert all(r["cp_bytes_intra"] > 0 and r["cp_bytes_inter"] > 0 for r in records)
-    first, last = records[0]["loss"], min(r["loss"] for r in records[-3:])
+    first, last = records[0]["loss"], records[-1]["loss"]
     assert last < first - 1.0, f"loss {first:.3f} -> {last:.3f}"

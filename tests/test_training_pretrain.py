@@ -2,7 +2,7 @@
 
 Every run is the real command line in a subprocess (ranks forked by ``--nproc``,
 gloo), on the embedded packed corpus (stdlib sources, documents split at EOD),
-a tiny GPT (2 layers, hidden 64, 8 heads, seq 256), 4 micro-batches per
+a tiny GPT (2 layers, hidden 64, 8 heads, seq 256), 2 micro-batches per
 iteration and ``--layout-independent-init`` so every parallel layout starts from
 the same weights.
 
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from types import SimpleNamespace
@@ -49,7 +50,7 @@ def _run_logged(tmp_path, cache_dir: str, nproc: int, name: str, *flags: str) ->
     """A successful run of the tiny GPT: its ``stdout`` and iteration ``records`` (its evaluation records:
     ``_evaluations(tmp_path, name)``). No evaluation unless ``flags`` ask for it (``--eval-iters``)."""
     log = str(tmp_path / f"{name}.jsonl")
-    base = ["--train-iters", str(ITERS), "--lr-warmup-iters", "1", "--global-batch-size", "4",
+    base = ["--train-iters", str(ITERS), "--lr-warmup-iters", "1", "--global-batch-size", "2",
             "--layout-independent-init", "--no-progress-bar", "--data-cache-path", cache_dir, "--log-json", log,
             "--eval-iters", "0"]
     result = _run(base + list(flags), nproc)
@@ -74,12 +75,14 @@ EVAL_FLAGS = ["--eval-interval", "2", "--eval-iters", "1"]
 
 
 @pytest.fixture(scope="module")
-def reference_run(tmp_path_factory, cache_dir) -> Tuple[List[Dict[str, float]], List[Dict[str, float]]]:
-    """The single-rank CP=1 run every other run is compared with: (iteration records, evaluation records)."""
+def reference_run(tmp_path_factory, cache_dir) -> Tuple[List[Dict[str, float]], List[Dict[str, float]], str]:
+    """The single-rank CP=1 run every other run is compared with: (iteration records, evaluation records, its
+    checkpoint directory). It saves at iterations 2 and 4; the resume test restarts from iteration 2."""
     path = tmp_path_factory.mktemp("ref")
-    records = _train(path, cache_dir, 1, *EVAL_FLAGS)
+    ckpt = str(path / "ckpt")
+    records = _train(path, cache_dir, 1, *EVAL_FLAGS, "--save", ckpt, "--save-interval", "2")
     assert [r["iteration"] for r in records] == list(range(1, ITERS + 1))
-    return records, _evaluations(path)
+    return records, _evaluations(path), ckpt
 
 
 @pytest.fixture(scope="module")
@@ -116,7 +119,7 @@ def test_reference_trains(reference):
                      "--ranks-per-node", "2"] + EVAL_FLAGS, id="tp2-pp2-cp2-sp-hsap-8ranks-eval"),
 ])
 def test_cp_matches_cp1(tmp_path, cache_dir, reference_run, nproc, flags):
-    reference, reference_evaluations = reference_run
+    reference, reference_evaluations, _ = reference_run
     records = _train(tmp_path, cache_dir, nproc, *flags)
     assert len(records) == ITERS
     assert all(r["cp_bytes_intra"] + r["cp_bytes_inter"] > 0 for r in records), "CP moved no bytes"
@@ -148,15 +151,18 @@ def test_interleaved_pipeline_matches_pp1(tmp_path, cache_dir):
     _assert_matches(records, ref)
 
 
-def test_resume_is_exact_and_reshards_to_another_cp_mode_and_size(tmp_path, cache_dir, reference):
-    """One checkpoint at iteration 2 (CP 1): resumed on the same layout every figure is bitwise equal to the
-    uninterrupted run; resumed at CP 4 hsap over 2 emulated nodes the losses continue within fp tolerance."""
+def test_resume_is_exact_and_reshards_to_another_cp_mode_and_size(tmp_path, cache_dir, reference_run):
+    """The reference run's checkpoint at iteration 2 (CP 1): resumed on the same layout every figure is bitwise
+    equal to the uninterrupted run; resumed at CP 4 hsap over 2 emulated nodes the losses continue within fp
+    tolerance. (Saving and --exit-interval on their own: test_distributed_optimizer_resumes_under_other_layouts.)"""
+    reference, _, saved = reference_run
     ckpt = str(tmp_path / "ckpt")
-    first = _train(tmp_path, cache_dir, 1, "--save", ckpt, "--exit-interval", "2", name="first")
-    assert [r["iteration"] for r in first] == [1, 2]
+    shutil.copytree(os.path.join(saved, "iter_0000002"), os.path.join(ckpt, "iter_0000002"))
+    with open(os.path.join(ckpt, "latest_checkpointed_iteration.txt"), "w") as f:
+        f.write("2")
     resumed = _train(tmp_path, cache_dir, 1, "--load", ckpt, name="resumed")
     assert [r["iteration"] for r in resumed] == [3, 4]
-    for r in first + resumed:
+    for r in resumed:
         expected = reference[r["iteration"] - 1]
         assert (r["loss"], r["grad_norm"], r["lr"]) == (expected["loss"], expected["grad_norm"], expected["lr"])
     resharded = _train(tmp_path, cache_dir, 4, "--context-parallel-size", "4", "--context-parallel-mode", "hsap",
@@ -210,15 +216,25 @@ def test_head_chunk_not_fitting_the_ulysses_size_fails_on_every_rank(cache_dir):
     assert result.stderr.count("head_chunk_size=3 must be a multiple of ulysses_size=8") == 8
 
 
-@pytest.mark.parametrize("tracker", ["7", "not-a-number"])
-def test_unreadable_checkpoint_fails_on_every_rank(tmp_path, cache_dir, tracker):
+def test_unreadable_checkpoint_fails_on_every_rank(tmp_path, cache_dir):
+    """A tracker naming a missing iteration: the command line fails on both ranks. A tracker that is not a number
+    takes the same path from load_checkpoint's ValueError on (one error raised on every rank, see
+    tests/test_fault_tolerance.py::_load_error), checked on 2 pooled gloo ranks."""
+    from tests.distributed import run_distributed
+    from tests.test_fault_tolerance import _load_error
+
     ckpt = tmp_path / "ckpt"
     ckpt.mkdir()
-    (ckpt / "latest_checkpointed_iteration.txt").write_text(tracker)
+    (ckpt / "latest_checkpointed_iteration.txt").write_text("7")
     result = _run(["--context-parallel-size", "2", "--load", str(ckpt), "--data-cache-path", cache_dir], 2,
                   timeout=300)
     assert result.returncode == 1
     assert result.stderr.count(f"--load {str(ckpt)!r}") == 2
+    assert "names iteration 7, but" in result.stderr
+    (ckpt / "latest_checkpointed_iteration.txt").write_text("not-a-number")
+    errors = run_distributed(_load_error, 2, str(ckpt))
+    assert errors[0] == errors[1]
+    assert errors[0].startswith(f"--load {str(ckpt)!r}: cannot read "), errors[0]
 
 
 def test_decoupled_lr_updates_only_embedding_and_output_at_their_own_rate(tmp_path, cache_dir, reference):

@@ -19,7 +19,7 @@ from typing import Dict, List, Tuple
 import pytest
 import torch
 
-from tests.cp_cases import local_attention_case, reference_errors
+from tests.cp_cases import local_attention_case, reference_errors, unshard_all
 from tests.distributed import run_distributed
 
 HEAD_DIM = 8
@@ -44,7 +44,7 @@ def _cpa_case(plan, seed: int, h: int, h_kv: int, dtype: torch.dtype) -> Dict[st
     valid = plan.valid_mask
     result = {"bytes": 0.0 if predicted == got_bytes else 1e9,
               "padding": float(sum(t[~valid].abs().sum() for t in tensors))}
-    got = [plan.unshard(t).double() for t in tensors]
+    got = [t.double() for t in unshard_all(plan, tensors)]
     if c == 0:
         cu = cu_seqlens_from_lengths(list(plan.doc_lengths))
         result["error"] = max(reference_errors(got, inputs, cu, causal=True)) / TOL[dtype]
