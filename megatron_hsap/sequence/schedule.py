@@ -227,19 +227,37 @@ def _pair_blocks(q: np.ndarray, k: np.ndarray, causal: bool) -> np.ndarray:
     qi, ki = _join(q, k, *_reach(causal, None))
     if not len(qi):
         return np.zeros((0, 5), dtype=np.int64)
-    qb, q0, q1 = q[qi, 1], q[qi, 2], q[qi, 3]
-    kb, k0, k1 = k[ki, 1], k[ki, 2], k[ki, 3]
+    qb, q0, q1 = (np.take(q[:, c], qi) for c in (1, 2, 3))
+    kb, k0, k1 = (np.take(k[:, c], ki) for c in (1, 2, 3))
     if not causal:
-        return np.stack([qb, qb + q1 - q0, kb, kb + k1 - k0, np.zeros_like(qb)], axis=1)
+        blocks = np.empty((len(qi), 5), dtype=np.int64)
+        blocks[:, 0] = qb
+        blocks[:, 1] = qb + q1 - q0
+        blocks[:, 2] = kb
+        blocks[:, 3] = kb + k1 - k0
+        blocks[:, 4] = 0
+        return blocks
     kend = np.minimum(k1, q1)
-    first = np.maximum(q0, k0)  # queries before k0 see none of these keys
-    before = kend <= q0         # every key precedes every query: one full block
-    diagonal = np.stack([qb + first - q0, qb + kend - q0, kb, kb + kend - k0, np.ones_like(qb)], axis=1)
-    # rows from kend on (all of them when every key precedes every query) see every key up to kend
-    tail_start = np.where(before, qb, qb + kend - q0)
-    tail = np.stack([tail_start, qb + q1 - q0, kb, kb + kend - k0, np.zeros_like(qb)], axis=1)
-    blocks = np.concatenate([np.compress(~before, diagonal, axis=0), tail])
-    return np.compress((blocks[:, 1] > blocks[:, 0]) & (blocks[:, 3] > blocks[:, 2]), blocks, axis=0)
+    before = kend <= q0  # every key precedes every query: one full block
+    # pairs with a diagonal (queries before k0 see none of these keys), then every pair's full part: rows from
+    # kend on (all of them when every key precedes every query) see every key up to kend
+    diagonal = np.flatnonzero(~before)
+    n = len(diagonal)
+    blocks = np.empty((n + len(qi), 5), dtype=np.int64)
+    dqb, dq0, dkend, dkb = qb[diagonal], q0[diagonal], kend[diagonal], kb[diagonal]
+    blocks[:n, 0] = dqb + np.maximum(dq0, k0[diagonal]) - dq0
+    blocks[:n, 1] = dqb + dkend - dq0
+    blocks[:n, 2] = dkb
+    blocks[:n, 3] = dkb + dkend - k0[diagonal]
+    blocks[:n, 4] = 1
+    full = kend - q0
+    blocks[n:, 0] = qb + np.where(before, 0, full)
+    blocks[n:, 1] = qb + q1 - q0
+    blocks[n:, 2] = kb
+    blocks[n:, 3] = kb + kend - k0
+    blocks[n:, 4] = 0
+    nonempty = (blocks[:, 1] > blocks[:, 0]) & (blocks[:, 3] > blocks[:, 2])
+    return blocks if nonempty.all() else np.compress(nonempty, blocks, axis=0)
 
 
 def _windowed_pair_blocks(q: np.ndarray, k: np.ndarray, lo: Optional[int], hi: Optional[int]) -> np.ndarray:
@@ -288,8 +306,9 @@ def _merge_adjacent_keys(blocks: np.ndarray, width: int = _FAR) -> np.ndarray:
         return blocks
     starts = np.flatnonzero(np.concatenate([[True], ~joins]))  # first block of each run of joined blocks
     ends = np.concatenate([starts[1:], [len(blocks)]]) - 1      # its last block
-    return np.stack([blocks[starts, 0], blocks[starts, 1], blocks[starts, 2], blocks[ends, 3], blocks[ends, 4]],
-                    axis=1)
+    merged = np.take(blocks, starts, axis=0)
+    merged[:, 3:5] = np.take(blocks[:, 3:5], ends, axis=0)
+    return merged
 
 
 def _block_order(blocks: np.ndarray, width: int) -> np.ndarray:
@@ -297,8 +316,13 @@ def _block_order(blocks: np.ndarray, width: int) -> np.ndarray:
     stable argsorts of combined keys (each under 2**62 for buffers under 2**31 rows), faster than ``lexsort``."""
     buffer, key = np.divmod(blocks[:, 2], width)
     rows = 1 + int(blocks[:, 1].max())
-    order = np.argsort(blocks[:, 1] * (1 + int(key.max())) + key, kind="stable")
-    return order[np.argsort((buffer * rows + blocks[:, 0])[order], kind="stable")]
+    keys = 1 + int(key.max())
+    minor = blocks[:, 1] * keys + key  # under rows * keys
+    major = buffer * rows + blocks[:, 0]
+    if (1 + int(major.max())) * rows * keys < 1 << 62:  # one argsort of the combined key: the same order
+        return np.argsort(major * (rows * keys) + minor, kind="stable")
+    order = np.argsort(minor, kind="stable")
+    return order[np.argsort(major[order], kind="stable")]
 
 
 def _touched_keys(q: np.ndarray, k: np.ndarray, causal: bool, window: Window
@@ -434,26 +458,42 @@ def _direct_sends(mine: np.ndarray, stacked: np.ndarray, member: int, dsts: Sequ
 
 
 def build_member_schedule(tables: Sequence[np.ndarray], member: int, causal: bool, window: Window = None,
-                          node_of_member: Optional[Sequence[int]] = None) -> MemberSchedule:
+                          node_of_member: Optional[Sequence[int]] = None,
+                          shared: Optional[Dict[object, object]] = None) -> MemberSchedule:
     """The schedule of one member (piece tables of every member, see ``piece_tables``): local blocks,
     what it receives and what it sends, per ring distance; ``window`` from ``normalize_window``.
 
     ``node_of_member`` (node of each ring member) turns on node-level K/V forwarding
     (``_NodeForwarding``): a remote member's rows needed by several members of a node cross the
     node boundary once, to one of them, which relays them to the others. Every exchange with every other
-    member is worked out at once, on the other members' piece tables laid end to end (``_stack``)."""
+    member is worked out at once, on the other members' piece tables laid end to end (``_stack``).
+
+    ``shared``: a dict kept with ``tables`` (one per plan) where what every member's schedule derives from
+    the tables alike (the buffer width, all members' tables stacked, the forwarding's segments and what a
+    node receives) is kept after its first build, so each later member only does its own part. Entries are
+    written whole once built: concurrent builds at worst repeat the work."""
+    shared = {} if shared is None else shared
     ring_size = len(tables)
     mine = tables[member]
-    width = 1 + max((int((t[:, 1] + t[:, 3] - t[:, 2]).max()) for t in tables if len(t)), default=0)
+    width, everyone = _shared_stack(tables, shared)
     local_blocks = _pair_blocks_for(mine, mine, causal, window)
     local = _split_blocks(local_blocks, [0, len(local_blocks)])[0]
-    relay = None if node_of_member is None else _NodeForwarding(tables, node_of_member, causal, window, width)
+    relay = None
+    if node_of_member is not None:
+        key = ("forwarding", causal, window, tuple(node_of_member))
+        relay = shared.get(key)
+        if relay is None:
+            relay = shared[key] = _NodeForwarding(tables, node_of_member, causal, window, width)
     srcs = [(member - distance) % ring_size for distance in range(1, ring_size)]
     dsts = [(member + distance) % ring_size for distance in range(1, ring_size)]
     if relay is not None:
         srcs = [src for src in srcs if not relay.forwarded(member, src)]
         dsts = [dst for dst in dsts if not relay.forwarded(dst, member)]
-    stacked = _stack(tables, sorted(set(srcs) | set(dsts)), width)
+    wanted = np.zeros(ring_size, dtype=bool)
+    wanted[srcs] = True
+    wanted[dsts] = True
+    # _stack(tables, sorted(set(srcs) | set(dsts)), width): a subset of the stack of all keeps its order
+    stacked = np.compress(wanted[everyone[:, 1] // width], everyone, axis=0)
     recv_steps = _direct_receives(mine, stacked, member, srcs, ring_size, width, causal, window)
     send_steps = _direct_sends(mine, stacked, member, dsts, ring_size, width, causal, window)
     if relay is None:
@@ -463,6 +503,17 @@ def build_member_schedule(tables: Sequence[np.ndarray], member: int, causal: boo
     return MemberSchedule(local, tuple(sorted(recv_steps + received, key=by_distance)),
                           tuple(sorted(send_steps + relay.outgoing(member), key=by_distance)),
                           tuple(sorted(relay_sends, key=by_distance)), tuple(sorted(relay_recvs, key=by_distance)))
+
+
+def _shared_stack(tables: Sequence[np.ndarray], shared: Dict[object, object]) -> Tuple[int, np.ndarray]:
+    """The buffer width of ``tables`` and all members' tables ``_stack``ed, kept in ``shared``: the stack of
+    any subset of members is its rows of it, in the same order (``_stack`` sorts by (document, position),
+    unique per token, ties kept in member order)."""
+    found = shared.get("stack")
+    if found is None:
+        width = 1 + max((int((t[:, 1] + t[:, 3] - t[:, 2]).max()) for t in tables if len(t)), default=0)
+        found = shared["stack"] = (width, _stack(tables, range(len(tables)), width))
+    return found
 
 
 class _NodeForwarding:
@@ -523,6 +574,7 @@ class _NodeForwarding:
         for place in range(columns - 1, -1, -1):
             self.next_needing[place] = np.where(self.need[place], place, self.next_needing[place + 1])
         self.bounds = np.append(bounds, np.iinfo(np.int64).max)
+        self._arrivals: Dict[int, object] = {}  # node -> ``_arriving(node)``
 
     def forwarded(self, dst: int, src: int) -> bool:
         """Whether rows of ``src`` reach ``dst`` through forwarding (other node, several members on dst's)."""
@@ -549,25 +601,42 @@ class _NodeForwarding:
         after = self.next_needing[rotation, segment]
         return np.where(after < size, after, self.next_needing[0, segment])
 
+    def _arriving(self, node: int) -> Optional[Tuple[List[int], np.ndarray, np.ndarray, np.ndarray, np.ndarray,
+                                                     np.ndarray, np.ndarray]]:
+        """What crosses into ``node`` from the members of other nodes, the same for each of its members (kept
+        after the first): the sources, and per piece overlap of a needed segment, ordered by source then
+        buffer row, its document, segment, positions ``[start, end)``, the place of the member it crosses to,
+        and its source's index. None when nothing is forwarded to the node."""
+        if node in self._arrivals:
+            return self._arrivals[node]
+        members, ring_size = self.members[node], len(self.tables)
+        srcs = [src for src in range(ring_size) if self.nodes[src] != node]
+        arriving = None
+        if len(members) > 1 and srcs:
+            table = np.concatenate([self.tables[src] for src in srcs])
+            source = np.repeat(np.arange(len(srcs)), [len(self.tables[src]) for src in srcs])
+            piece, segment, start, end = self._overlaps(table, self.line_start[members[0]])
+            size = np.full(len(piece), len(members))
+            owner = self._first_needing(segment, np.asarray(srcs)[source[piece]] % size, size)
+            group = source[piece]
+            # source, buffer order (unique keys: a member's kept rows come out in the order sorting them would)
+            order = np.argsort(group * self.width + table[piece, 1] + start - table[piece, 2])
+            piece, segment, start, end, owner, group = (x[order] for x in (piece, segment, start, end, owner, group))
+            arriving = (srcs, table[piece, 0], segment, start, end, owner, group)
+        self._arrivals[node] = arriving
+        return arriving
+
     def incoming(self, member: int) -> Tuple[List[RecvStep], List[RelaySend], List[RecvStep]]:
         """What ``member`` receives from other nodes, what it relays to the members of its node, and what
         they relay to it."""
         node, me, ring_size = self.nodes[member], self.index[member], len(self.tables)
         members = self.members[node]
-        srcs = [src for src in range(ring_size) if self.nodes[src] != node]
-        if len(members) == 1 or not srcs:
+        arriving = self._arriving(node)
+        if arriving is None:
             return [], [], []
-        table = np.concatenate([self.tables[src] for src in srcs])
-        source = np.repeat(np.arange(len(srcs)), [len(self.tables[src]) for src in srcs])
-        piece, segment, start, end = self._overlaps(table, self.line_start[member])
-        size = np.full(len(piece), len(members))
-        owner = self._first_needing(segment, np.asarray(srcs)[source[piece]] % size, size)
+        srcs, doc, segment, start, end, owner, group = arriving
         keep = (owner == me) | self.need[me, segment]
-        piece, segment, start, end, owner = piece[keep], segment[keep], start[keep], end[keep], owner[keep]
-        group = source[piece]
-        order = np.argsort(group * self.width + table[piece, 1] + start - table[piece, 2])  # source, buffer order
-        piece, segment, start, end, owner, group = (x[order] for x in (piece, segment, start, end, owner, group))
-        doc = table[piece, 0]
+        doc, segment, start, end, owner, group = (x[keep] for x in (doc, segment, start, end, owner, group))
         distance = [(member - src) % ring_size for src in srcs]
 
         # The rows assigned to this member, each source's in one receive buffer.
