@@ -452,9 +452,43 @@ def _direct_sends(mine: np.ndarray, stacked: np.ndarray, member: int, dsts: Sequ
                   width: int, causal: bool, window: Window) -> List[SendStep]:
     """What ``member`` sends straight to each of ``dsts`` (buffers in ``stacked``): the rows of its buffer
     their queries touch."""
-    query, starts, ends = _touched_keys(stacked, mine, causal, window)
-    ranges = _ranges_by_group(starts, ends, stacked[query, 1] // width, width, ring_size)
+    lo, hi = _reach(causal, window)
+    if lo == -_FAR:
+        ranges = _sends_from_starts(mine, stacked, hi, width, ring_size)
+    else:
+        query, starts, ends = _touched_keys(stacked, mine, causal, window)
+        ranges = _ranges_by_group(starts, ends, stacked[query, 1] // width, width, ring_size)
     return [SendStep((dst - member) % ring_size, dst, RowRanges(ranges[dst])) for dst in dsts if ranges[dst]]
+
+
+def _sends_from_starts(mine: np.ndarray, stacked: np.ndarray, hi: int, width: int,
+                       count: int) -> List[Tuple[Tuple[int, int], ...]]:
+    """``_ranges_by_group`` of ``_touched_keys(stacked, mine)`` when no query's reach is bounded on the left
+    (``lo`` = -``_FAR``): every key piece is then touched from its start, so each buffer's rows of it are
+    one range ending at the furthest reach of that buffer's queries (a scatter-max, no sort of the pairs);
+    the ranges come out by buffer then row, touching ones joined."""
+    qi, ki = _join(stacked, mine, -_FAR, hi)
+    if not len(qi):
+        return [()] * count
+    pieces = len(mine)
+    by_row = np.argsort(mine[:, 1], kind="stable")  # key pieces in buffer order
+    place = np.empty(pieces, dtype=np.int64)
+    place[by_row] = np.arange(pieces)
+    reach = np.zeros(count * pieces, dtype=np.int64)  # per (buffer, key piece): its furthest key, 0 = untouched
+    np.maximum.at(reach, np.take(stacked[:, 1], qi) // width * pieces + place[ki],
+                  np.minimum(np.take(mine[:, 3], ki), np.take(stacked[:, 3], qi) + hi))  # > the piece's start
+    cells = np.flatnonzero(reach)
+    group, piece = np.divmod(cells, pieces)
+    piece = by_row[piece]
+    starts = mine[piece, 1]
+    ends = reach[cells] - mine[piece, 2] + starts
+    opens = np.ones(len(cells), dtype=bool)  # pieces are disjoint: a range joins the previous one if touching
+    opens[1:] = (group[1:] != group[:-1]) | (starts[1:] != ends[:-1])
+    first = np.flatnonzero(opens)
+    last = np.append(first[1:], len(cells)) - 1
+    bounds = np.searchsorted(group[first], np.arange(count + 1)).tolist()
+    range_starts, range_ends = starts[first].tolist(), ends[last].tolist()
+    return [tuple(zip(range_starts[a:b], range_ends[a:b])) for a, b in zip(bounds[:-1], bounds[1:])]
 
 
 def build_member_schedule(tables: Sequence[np.ndarray], member: int, causal: bool, window: Window = None,
@@ -563,11 +597,13 @@ class _NodeForwarding:
         boundary[order] = np.cumsum(distinct) - 1
         bounds = points[order[distinct]]
         columns = max(len(members) for members in self.members.values())
-        cells = len(bounds) * columns
-        opened = np.bincount(column * len(bounds) + boundary[:len(starts)], minlength=cells)
-        closed = np.bincount(column * len(bounds) + boundary[len(starts):], minlength=cells)
+        change = np.zeros(columns * len(bounds), dtype=np.int32)  # reaches opened minus closed, per place
+        ones = np.ones(len(starts), dtype=np.int32)  # (same-dtype operands keep ufunc.at on its fast path)
+        np.add.at(change, column * len(bounds) + boundary[:len(starts)], ones)
+        np.subtract.at(change, column * len(bounds) + boundary[len(starts):], ones)
+        change = change.reshape(columns, -1)
         #: Segment j = [bounds[j], bounds[j + 1]): need[i, j] whether member i of the node there reaches it.
-        self.need = np.cumsum((opened - closed).reshape(columns, -1), axis=1) > 0
+        self.need = np.cumsum(change, axis=1, dtype=np.int32) > 0
         self.shared = self.need.sum(axis=0) > 1  # needed by several members: relayed
         #: next_needing[r, j]: the first member at place r or after needing segment j (``columns``: none).
         self.next_needing = np.full((columns + 1, len(bounds)), columns, dtype=np.int64)
