@@ -509,7 +509,10 @@ def build_member_schedule(tables: Sequence[np.ndarray], member: int, causal: boo
     shared = {} if shared is None else shared
     ring_size = len(tables)
     mine = tables[member]
-    width, everyone = _shared_stack(tables, shared)
+    width = shared.get("width")
+    if width is None:
+        width = shared["width"] = 1 + max((int((t[:, 1] + t[:, 3] - t[:, 2]).max()) for t in tables if len(t)),
+                                          default=0)
     local_blocks = _pair_blocks_for(mine, mine, causal, window)
     local = _split_blocks(local_blocks, [0, len(local_blocks)])[0]
     relay = None
@@ -523,11 +526,11 @@ def build_member_schedule(tables: Sequence[np.ndarray], member: int, causal: boo
     if relay is not None:
         srcs = [src for src in srcs if not relay.forwarded(member, src)]
         dsts = [dst for dst in dsts if not relay.forwarded(dst, member)]
-    wanted = np.zeros(ring_size, dtype=bool)
-    wanted[srcs] = True
-    wanted[dsts] = True
-    # _stack(tables, sorted(set(srcs) | set(dsts)), width): a subset of the stack of all keeps its order
-    stacked = np.compress(wanted[everyone[:, 1] // width], everyone, axis=0)
+    if relay is None:  # every other member: the stack of all (kept in ``shared``) less this member's rows
+        stacked = _shared_stack(tables, width, shared)
+        stacked = np.compress(stacked[:, 1] // width != member, stacked, axis=0)
+    else:  # the members of this member's node: a small stack, not worth the stack of all on a first build
+        stacked = _stack(tables, sorted(set(srcs) | set(dsts)), width)
     recv_steps = _direct_receives(mine, stacked, member, srcs, ring_size, width, causal, window)
     send_steps = _direct_sends(mine, stacked, member, dsts, ring_size, width, causal, window)
     if relay is None:
@@ -539,15 +542,14 @@ def build_member_schedule(tables: Sequence[np.ndarray], member: int, causal: boo
                           tuple(sorted(relay_sends, key=by_distance)), tuple(sorted(relay_recvs, key=by_distance)))
 
 
-def _shared_stack(tables: Sequence[np.ndarray], shared: Dict[object, object]) -> Tuple[int, np.ndarray]:
-    """The buffer width of ``tables`` and all members' tables ``_stack``ed, kept in ``shared``: the stack of
-    any subset of members is its rows of it, in the same order (``_stack`` sorts by (document, position),
-    unique per token, ties kept in member order)."""
-    found = shared.get("stack")
-    if found is None:
-        width = 1 + max((int((t[:, 1] + t[:, 3] - t[:, 2]).max()) for t in tables if len(t)), default=0)
-        found = shared["stack"] = (width, _stack(tables, range(len(tables)), width))
-    return found
+def _shared_stack(tables: Sequence[np.ndarray], width: int, shared: Dict[object, object]) -> np.ndarray:
+    """All members' tables ``_stack``ed, kept in ``shared``: the stack of any subset of members is its rows
+    of it, in the same order (``_stack`` sorts by (document, position), unique per token, ties kept in member
+    order)."""
+    stacked = shared.get("stack")
+    if stacked is None:
+        stacked = shared["stack"] = _stack(tables, range(len(tables)), width)
+    return stacked
 
 
 class _NodeForwarding:
