@@ -339,8 +339,9 @@ def _touched_keys(q: np.ndarray, k: np.ndarray, causal: bool, window: Window
 def _split_blocks(blocks: np.ndarray, bounds: Sequence[int]) -> List[AttentionBlocks]:
     """The ``AttentionBlocks`` of rows ``[bounds[i], bounds[i + 1])`` of ``blocks`` (``_pair_blocks_for``'s
     columns) for every i, converted to Python ints in one pass."""
-    q_starts, q_ends, k_starts, k_ends = blocks[:, :4].T.tolist()
-    causal = blocks[:, 4].astype(bool).tolist()
+    columns = np.ascontiguousarray(blocks[:, :4].T)  # each step's rows converted straight into its tuples
+    q_starts, q_ends, k_starts, k_ends = columns
+    causal = blocks[:, 4].astype(bool)
     windowed = blocks.shape[1] > 5
     if windowed:
         left, right = blocks[:, 5].tolist(), blocks[:, 6].tolist()
@@ -348,8 +349,9 @@ def _split_blocks(blocks: np.ndarray, bounds: Sequence[int]) -> List[AttentionBl
     result = []
     for a, b in zip(bounds[:-1], bounds[1:]):
         windows = tuple(zip(left[a:b], right[a:b])) if windowed and bounded[b] > bounded[a] else ()
-        result.append(AttentionBlocks(tuple(q_starts[a:b]), tuple(q_ends[a:b]), tuple(k_starts[a:b]),
-                                      tuple(k_ends[a:b]), tuple(causal[a:b]), windows))
+        result.append(AttentionBlocks(tuple(q_starts[a:b].tolist()), tuple(q_ends[a:b].tolist()),
+                                      tuple(k_starts[a:b].tolist()), tuple(k_ends[a:b].tolist()),
+                                      tuple(causal[a:b].tolist()), windows))
     return result
 
 
