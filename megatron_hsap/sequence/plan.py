@@ -108,6 +108,12 @@ class _PlanData:
     tables: Optional[List[np.ndarray]] = None
     _segments: Optional[Tuple[Tuple[Segment, ...], ...]] = None
     _pieces: Optional[List[Dict[int, List[Piece]]]] = None
+    #: What every member's schedule derives from ``tables`` alike (``build_member_schedule``'s ``shared``),
+    #: built with the first schedule; not pickled (rebuilt on first use where the data lands).
+    compiled: Dict[object, object] = field(default_factory=dict, compare=False, repr=False)
+
+    def __getstate__(self) -> Dict[str, object]:
+        return {**self.__dict__, "compiled": {}}
 
     @property
     def rank_segments(self) -> Tuple[Tuple[Segment, ...], ...]:
@@ -128,7 +134,8 @@ class _PlanData:
             if self.tables is None:
                 self.tables = piece_tables(self.pieces)
             with _gc_paused():
-                self.schedules[key] = build_member_schedule(self.tables, member, causal, window, node_of_member)
+                self.schedules[key] = build_member_schedule(self.tables, member, causal, window, node_of_member,
+                                                            self.compiled)
         return self.schedules[key]
 
 

@@ -227,19 +227,37 @@ def _pair_blocks(q: np.ndarray, k: np.ndarray, causal: bool) -> np.ndarray:
     qi, ki = _join(q, k, *_reach(causal, None))
     if not len(qi):
         return np.zeros((0, 5), dtype=np.int64)
-    qb, q0, q1 = q[qi, 1], q[qi, 2], q[qi, 3]
-    kb, k0, k1 = k[ki, 1], k[ki, 2], k[ki, 3]
+    qb, q0, q1 = (np.take(q[:, c], qi) for c in (1, 2, 3))
+    kb, k0, k1 = (np.take(k[:, c], ki) for c in (1, 2, 3))
     if not causal:
-        return np.stack([qb, qb + q1 - q0, kb, kb + k1 - k0, np.zeros_like(qb)], axis=1)
+        blocks = np.empty((len(qi), 5), dtype=np.int64)
+        blocks[:, 0] = qb
+        blocks[:, 1] = qb + q1 - q0
+        blocks[:, 2] = kb
+        blocks[:, 3] = kb + k1 - k0
+        blocks[:, 4] = 0
+        return blocks
     kend = np.minimum(k1, q1)
-    first = np.maximum(q0, k0)  # queries before k0 see none of these keys
-    before = kend <= q0         # every key precedes every query: one full block
-    diagonal = np.stack([qb + first - q0, qb + kend - q0, kb, kb + kend - k0, np.ones_like(qb)], axis=1)
-    # rows from kend on (all of them when every key precedes every query) see every key up to kend
-    tail_start = np.where(before, qb, qb + kend - q0)
-    tail = np.stack([tail_start, qb + q1 - q0, kb, kb + kend - k0, np.zeros_like(qb)], axis=1)
-    blocks = np.concatenate([np.compress(~before, diagonal, axis=0), tail])
-    return np.compress((blocks[:, 1] > blocks[:, 0]) & (blocks[:, 3] > blocks[:, 2]), blocks, axis=0)
+    before = kend <= q0  # every key precedes every query: one full block
+    # pairs with a diagonal (queries before k0 see none of these keys), then every pair's full part: rows from
+    # kend on (all of them when every key precedes every query) see every key up to kend
+    diagonal = np.flatnonzero(~before)
+    n = len(diagonal)
+    blocks = np.empty((n + len(qi), 5), dtype=np.int64)
+    dqb, dq0, dkend, dkb = qb[diagonal], q0[diagonal], kend[diagonal], kb[diagonal]
+    blocks[:n, 0] = dqb + np.maximum(dq0, k0[diagonal]) - dq0
+    blocks[:n, 1] = dqb + dkend - dq0
+    blocks[:n, 2] = dkb
+    blocks[:n, 3] = dkb + dkend - k0[diagonal]
+    blocks[:n, 4] = 1
+    full = kend - q0
+    blocks[n:, 0] = qb + np.where(before, 0, full)
+    blocks[n:, 1] = qb + q1 - q0
+    blocks[n:, 2] = kb
+    blocks[n:, 3] = kb + kend - k0
+    blocks[n:, 4] = 0
+    nonempty = (blocks[:, 1] > blocks[:, 0]) & (blocks[:, 3] > blocks[:, 2])
+    return blocks if nonempty.all() else np.compress(nonempty, blocks, axis=0)
 
 
 def _windowed_pair_blocks(q: np.ndarray, k: np.ndarray, lo: Optional[int], hi: Optional[int]) -> np.ndarray:
@@ -288,8 +306,9 @@ def _merge_adjacent_keys(blocks: np.ndarray, width: int = _FAR) -> np.ndarray:
         return blocks
     starts = np.flatnonzero(np.concatenate([[True], ~joins]))  # first block of each run of joined blocks
     ends = np.concatenate([starts[1:], [len(blocks)]]) - 1      # its last block
-    return np.stack([blocks[starts, 0], blocks[starts, 1], blocks[starts, 2], blocks[ends, 3], blocks[ends, 4]],
-                    axis=1)
+    merged = np.take(blocks, starts, axis=0)
+    merged[:, 3:5] = np.take(blocks[:, 3:5], ends, axis=0)
+    return merged
 
 
 def _block_order(blocks: np.ndarray, width: int) -> np.ndarray:
@@ -297,8 +316,13 @@ def _block_order(blocks: np.ndarray, width: int) -> np.ndarray:
     stable argsorts of combined keys (each under 2**62 for buffers under 2**31 rows), faster than ``lexsort``."""
     buffer, key = np.divmod(blocks[:, 2], width)
     rows = 1 + int(blocks[:, 1].max())
-    order = np.argsort(blocks[:, 1] * (1 + int(key.max())) + key, kind="stable")
-    return order[np.argsort((buffer * rows + blocks[:, 0])[order], kind="stable")]
+    keys = 1 + int(key.max())
+    minor = blocks[:, 1] * keys + key  # under rows * keys
+    major = buffer * rows + blocks[:, 0]
+    if (1 + int(major.max())) * rows * keys < 1 << 62:  # one argsort of the combined key: the same order
+        return np.argsort(major * (rows * keys) + minor, kind="stable")
+    order = np.argsort(minor, kind="stable")
+    return order[np.argsort(major[order], kind="stable")]
 
 
 def _touched_keys(q: np.ndarray, k: np.ndarray, causal: bool, window: Window
@@ -315,8 +339,9 @@ def _touched_keys(q: np.ndarray, k: np.ndarray, causal: bool, window: Window
 def _split_blocks(blocks: np.ndarray, bounds: Sequence[int]) -> List[AttentionBlocks]:
     """The ``AttentionBlocks`` of rows ``[bounds[i], bounds[i + 1])`` of ``blocks`` (``_pair_blocks_for``'s
     columns) for every i, converted to Python ints in one pass."""
-    q_starts, q_ends, k_starts, k_ends = blocks[:, :4].T.tolist()
-    causal = blocks[:, 4].astype(bool).tolist()
+    columns = np.ascontiguousarray(blocks[:, :4].T)  # each step's rows converted straight into its tuples
+    q_starts, q_ends, k_starts, k_ends = columns
+    causal = blocks[:, 4].astype(bool)
     windowed = blocks.shape[1] > 5
     if windowed:
         left, right = blocks[:, 5].tolist(), blocks[:, 6].tolist()
@@ -324,8 +349,9 @@ def _split_blocks(blocks: np.ndarray, bounds: Sequence[int]) -> List[AttentionBl
     result = []
     for a, b in zip(bounds[:-1], bounds[1:]):
         windows = tuple(zip(left[a:b], right[a:b])) if windowed and bounded[b] > bounded[a] else ()
-        result.append(AttentionBlocks(tuple(q_starts[a:b]), tuple(q_ends[a:b]), tuple(k_starts[a:b]),
-                                      tuple(k_ends[a:b]), tuple(causal[a:b]), windows))
+        result.append(AttentionBlocks(tuple(q_starts[a:b].tolist()), tuple(q_ends[a:b].tolist()),
+                                      tuple(k_starts[a:b].tolist()), tuple(k_ends[a:b].tolist()),
+                                      tuple(causal[a:b].tolist()), windows))
     return result
 
 
@@ -428,32 +454,85 @@ def _direct_sends(mine: np.ndarray, stacked: np.ndarray, member: int, dsts: Sequ
                   width: int, causal: bool, window: Window) -> List[SendStep]:
     """What ``member`` sends straight to each of ``dsts`` (buffers in ``stacked``): the rows of its buffer
     their queries touch."""
-    query, starts, ends = _touched_keys(stacked, mine, causal, window)
-    ranges = _ranges_by_group(starts, ends, stacked[query, 1] // width, width, ring_size)
+    lo, hi = _reach(causal, window)
+    if lo == -_FAR:
+        ranges = _sends_from_starts(mine, stacked, hi, width, ring_size)
+    else:
+        query, starts, ends = _touched_keys(stacked, mine, causal, window)
+        ranges = _ranges_by_group(starts, ends, stacked[query, 1] // width, width, ring_size)
     return [SendStep((dst - member) % ring_size, dst, RowRanges(ranges[dst])) for dst in dsts if ranges[dst]]
 
 
+def _sends_from_starts(mine: np.ndarray, stacked: np.ndarray, hi: int, width: int,
+                       count: int) -> List[Tuple[Tuple[int, int], ...]]:
+    """``_ranges_by_group`` of ``_touched_keys(stacked, mine)`` when no query's reach is bounded on the left
+    (``lo`` = -``_FAR``): every key piece is then touched from its start, so each buffer's rows of it are
+    one range ending at the furthest reach of that buffer's queries (a scatter-max, no sort of the pairs);
+    the ranges come out by buffer then row, touching ones joined."""
+    qi, ki = _join(stacked, mine, -_FAR, hi)
+    if not len(qi):
+        return [()] * count
+    pieces = len(mine)
+    by_row = np.argsort(mine[:, 1], kind="stable")  # key pieces in buffer order
+    place = np.empty(pieces, dtype=np.int64)
+    place[by_row] = np.arange(pieces)
+    reach = np.zeros(count * pieces, dtype=np.int64)  # per (buffer, key piece): its furthest key, 0 = untouched
+    np.maximum.at(reach, np.take(stacked[:, 1], qi) // width * pieces + place[ki],
+                  np.minimum(np.take(mine[:, 3], ki), np.take(stacked[:, 3], qi) + hi))  # > the piece's start
+    cells = np.flatnonzero(reach)
+    group, piece = np.divmod(cells, pieces)
+    piece = by_row[piece]
+    starts = mine[piece, 1]
+    ends = reach[cells] - mine[piece, 2] + starts
+    opens = np.ones(len(cells), dtype=bool)  # pieces are disjoint: a range joins the previous one if touching
+    opens[1:] = (group[1:] != group[:-1]) | (starts[1:] != ends[:-1])
+    first = np.flatnonzero(opens)
+    last = np.append(first[1:], len(cells)) - 1
+    bounds = np.searchsorted(group[first], np.arange(count + 1)).tolist()
+    range_starts, range_ends = starts[first].tolist(), ends[last].tolist()
+    return [tuple(zip(range_starts[a:b], range_ends[a:b])) for a, b in zip(bounds[:-1], bounds[1:])]
+
+
 def build_member_schedule(tables: Sequence[np.ndarray], member: int, causal: bool, window: Window = None,
-                          node_of_member: Optional[Sequence[int]] = None) -> MemberSchedule:
+                          node_of_member: Optional[Sequence[int]] = None,
+                          shared: Optional[Dict[object, object]] = None) -> MemberSchedule:
     """The schedule of one member (piece tables of every member, see ``piece_tables``): local blocks,
     what it receives and what it sends, per ring distance; ``window`` from ``normalize_window``.
 
     ``node_of_member`` (node of each ring member) turns on node-level K/V forwarding
     (``_NodeForwarding``): a remote member's rows needed by several members of a node cross the
     node boundary once, to one of them, which relays them to the others. Every exchange with every other
-    member is worked out at once, on the other members' piece tables laid end to end (``_stack``)."""
+    member is worked out at once, on the other members' piece tables laid end to end (``_stack``).
+
+    ``shared``: a dict kept with ``tables`` (one per plan) where what every member's schedule derives from
+    the tables alike (the buffer width, all members' tables stacked, the forwarding's segments and what a
+    node receives) is kept after its first build, so each later member only does its own part. Entries are
+    written whole once built: concurrent builds at worst repeat the work."""
+    shared = {} if shared is None else shared
     ring_size = len(tables)
     mine = tables[member]
-    width = 1 + max((int((t[:, 1] + t[:, 3] - t[:, 2]).max()) for t in tables if len(t)), default=0)
+    width = shared.get("width")
+    if width is None:
+        width = shared["width"] = 1 + max((int((t[:, 1] + t[:, 3] - t[:, 2]).max()) for t in tables if len(t)),
+                                          default=0)
     local_blocks = _pair_blocks_for(mine, mine, causal, window)
     local = _split_blocks(local_blocks, [0, len(local_blocks)])[0]
-    relay = None if node_of_member is None else _NodeForwarding(tables, node_of_member, causal, window, width)
+    relay = None
+    if node_of_member is not None:
+        key = ("forwarding", causal, window, tuple(node_of_member))
+        relay = shared.get(key)
+        if relay is None:
+            relay = shared[key] = _NodeForwarding(tables, node_of_member, causal, window, width)
     srcs = [(member - distance) % ring_size for distance in range(1, ring_size)]
     dsts = [(member + distance) % ring_size for distance in range(1, ring_size)]
     if relay is not None:
         srcs = [src for src in srcs if not relay.forwarded(member, src)]
         dsts = [dst for dst in dsts if not relay.forwarded(dst, member)]
-    stacked = _stack(tables, sorted(set(srcs) | set(dsts)), width)
+    if relay is None:  # every other member: the stack of all (kept in ``shared``) less this member's rows
+        stacked = _shared_stack(tables, width, shared)
+        stacked = np.compress(stacked[:, 1] // width != member, stacked, axis=0)
+    else:  # the members of this member's node: a small stack, not worth the stack of all on a first build
+        stacked = _stack(tables, sorted(set(srcs) | set(dsts)), width)
     recv_steps = _direct_receives(mine, stacked, member, srcs, ring_size, width, causal, window)
     send_steps = _direct_sends(mine, stacked, member, dsts, ring_size, width, causal, window)
     if relay is None:
@@ -463,6 +542,16 @@ def build_member_schedule(tables: Sequence[np.ndarray], member: int, causal: boo
     return MemberSchedule(local, tuple(sorted(recv_steps + received, key=by_distance)),
                           tuple(sorted(send_steps + relay.outgoing(member), key=by_distance)),
                           tuple(sorted(relay_sends, key=by_distance)), tuple(sorted(relay_recvs, key=by_distance)))
+
+
+def _shared_stack(tables: Sequence[np.ndarray], width: int, shared: Dict[object, object]) -> np.ndarray:
+    """All members' tables ``_stack``ed, kept in ``shared``: the stack of any subset of members is its rows
+    of it, in the same order (``_stack`` sorts by (document, position), unique per token, ties kept in member
+    order)."""
+    stacked = shared.get("stack")
+    if stacked is None:
+        stacked = shared["stack"] = _stack(tables, range(len(tables)), width)
+    return stacked
 
 
 class _NodeForwarding:
@@ -512,17 +601,20 @@ class _NodeForwarding:
         boundary[order] = np.cumsum(distinct) - 1
         bounds = points[order[distinct]]
         columns = max(len(members) for members in self.members.values())
-        cells = len(bounds) * columns
-        opened = np.bincount(column * len(bounds) + boundary[:len(starts)], minlength=cells)
-        closed = np.bincount(column * len(bounds) + boundary[len(starts):], minlength=cells)
+        change = np.zeros(columns * len(bounds), dtype=np.int32)  # reaches opened minus closed, per place
+        ones = np.ones(len(starts), dtype=np.int32)  # (same-dtype operands keep ufunc.at on its fast path)
+        np.add.at(change, column * len(bounds) + boundary[:len(starts)], ones)
+        np.subtract.at(change, column * len(bounds) + boundary[len(starts):], ones)
+        change = change.reshape(columns, -1)
         #: Segment j = [bounds[j], bounds[j + 1]): need[i, j] whether member i of the node there reaches it.
-        self.need = np.cumsum((opened - closed).reshape(columns, -1), axis=1) > 0
+        self.need = np.cumsum(change, axis=1, dtype=np.int32) > 0
         self.shared = self.need.sum(axis=0) > 1  # needed by several members: relayed
         #: next_needing[r, j]: the first member at place r or after needing segment j (``columns``: none).
         self.next_needing = np.full((columns + 1, len(bounds)), columns, dtype=np.int64)
         for place in range(columns - 1, -1, -1):
             self.next_needing[place] = np.where(self.need[place], place, self.next_needing[place + 1])
         self.bounds = np.append(bounds, np.iinfo(np.int64).max)
+        self._arrivals: Dict[int, object] = {}  # node -> ``_arriving(node)``
 
     def forwarded(self, dst: int, src: int) -> bool:
         """Whether rows of ``src`` reach ``dst`` through forwarding (other node, several members on dst's)."""
@@ -549,25 +641,42 @@ class _NodeForwarding:
         after = self.next_needing[rotation, segment]
         return np.where(after < size, after, self.next_needing[0, segment])
 
+    def _arriving(self, node: int) -> Optional[Tuple[List[int], np.ndarray, np.ndarray, np.ndarray, np.ndarray,
+                                                     np.ndarray, np.ndarray]]:
+        """What crosses into ``node`` from the members of other nodes, the same for each of its members (kept
+        after the first): the sources, and per piece overlap of a needed segment, ordered by source then
+        buffer row, its document, segment, positions ``[start, end)``, the place of the member it crosses to,
+        and its source's index. None when nothing is forwarded to the node."""
+        if node in self._arrivals:
+            return self._arrivals[node]
+        members, ring_size = self.members[node], len(self.tables)
+        srcs = [src for src in range(ring_size) if self.nodes[src] != node]
+        arriving = None
+        if len(members) > 1 and srcs:
+            table = np.concatenate([self.tables[src] for src in srcs])
+            source = np.repeat(np.arange(len(srcs)), [len(self.tables[src]) for src in srcs])
+            piece, segment, start, end = self._overlaps(table, self.line_start[members[0]])
+            size = np.full(len(piece), len(members))
+            owner = self._first_needing(segment, np.asarray(srcs)[source[piece]] % size, size)
+            group = source[piece]
+            # source, buffer order (unique keys: a member's kept rows come out in the order sorting them would)
+            order = np.argsort(group * self.width + table[piece, 1] + start - table[piece, 2])
+            piece, segment, start, end, owner, group = (x[order] for x in (piece, segment, start, end, owner, group))
+            arriving = (srcs, table[piece, 0], segment, start, end, owner, group)
+        self._arrivals[node] = arriving
+        return arriving
+
     def incoming(self, member: int) -> Tuple[List[RecvStep], List[RelaySend], List[RecvStep]]:
         """What ``member`` receives from other nodes, what it relays to the members of its node, and what
         they relay to it."""
         node, me, ring_size = self.nodes[member], self.index[member], len(self.tables)
         members = self.members[node]
-        srcs = [src for src in range(ring_size) if self.nodes[src] != node]
-        if len(members) == 1 or not srcs:
+        arriving = self._arriving(node)
+        if arriving is None:
             return [], [], []
-        table = np.concatenate([self.tables[src] for src in srcs])
-        source = np.repeat(np.arange(len(srcs)), [len(self.tables[src]) for src in srcs])
-        piece, segment, start, end = self._overlaps(table, self.line_start[member])
-        size = np.full(len(piece), len(members))
-        owner = self._first_needing(segment, np.asarray(srcs)[source[piece]] % size, size)
+        srcs, doc, segment, start, end, owner, group = arriving
         keep = (owner == me) | self.need[me, segment]
-        piece, segment, start, end, owner = piece[keep], segment[keep], start[keep], end[keep], owner[keep]
-        group = source[piece]
-        order = np.argsort(group * self.width + table[piece, 1] + start - table[piece, 2])  # source, buffer order
-        piece, segment, start, end, owner, group = (x[order] for x in (piece, segment, start, end, owner, group))
-        doc = table[piece, 0]
+        doc, segment, start, end, owner, group = (x[keep] for x in (doc, segment, start, end, owner, group))
         distance = [(member - src) % ring_size for src in srcs]
 
         # The rows assigned to this member, each source's in one receive buffer.
