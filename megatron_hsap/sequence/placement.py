@@ -29,7 +29,9 @@ docs/sequence_aware.md has the full argument; in short, one bisection:
 5. Between nodes a bisection of few items first tries every subset of whole items for the left
    side, with at most one cut, and keeps the one moving the fewest rows (``_exhaustive_bisection``):
    the greedy steps cut at the cheapest cut *given the items placed so far*, which leaves a side at
-   the edge of feasibility and forces further cuts.
+   the edge of feasibility and forces further cuts. A larger bisection between nodes that the greedy
+   steps cut several times is searched again the same way over the documents they cut and the
+   shortest items (``_reopened``), kept when it moves fewer rows.
 """
 
 from __future__ import annotations
