@@ -166,10 +166,13 @@ def inter_node_rows_lower_bound(doc_lengths: Sequence[int], num_nodes: int, imba
     # Documents whose rows some term counts may join the nodes free of charge (their rows are counted already).
     counted = [d for d in range(len(lengths)) if terms[d][0] > 0]
     gain = 0
+    total = sum(lengths)
     for d in sorted(range(len(lengths)), key=areas.__getitem__, reverse=True)[:_CHARGED_CANDIDATES]:
+        if areas[d] <= cap / 4:
+            break  # the candidates come by decreasing area
         for k in range(1, num_nodes):
-            if areas[d] > cap / 4 and (k == 1 or terms[d][k - 1] > 0):
-                need = sum(lengths) - (num_nodes - k) * node_tokens
+            if k == 1 or terms[d][k - 1] > 0:
+                need = total - (num_nodes - k) * node_tokens
                 gain = max(gain, _charged_horizon(d, lengths, counted, need, k * cap) - terms[d][k - 1])
     return rows + gain
 
