@@ -483,6 +483,18 @@ def test_lower_bound_charges_the_documents_a_node_must_take_partly(monkeypatch) 
     charged = inter_node_rows_lower_bound(lengths, 4, 1.0, 1 << 18)
     monkeypatch.setattr(cost_model_module, "_CHARGED_CANDIDATES", 0)
     assert charged > 2 * inter_node_rows_lower_bound(lengths, 4, 1.0, 1 << 18)
+    monkeypatch.undo()
+    # A term the capacity bound leaves at 0 is charged too: an 81K-token file of 1.9 node areas in 1M tokens on
+    # 8 nodes fits two nodes by area, but their 262K tokens cannot be filled that sparsely with whole documents.
+    lengths = _heavy_tailed(7)
+    d, cap = lengths.index(80823), sum(causal_area(0, n) for n in lengths) / 8
+    counted = [e for e, n in enumerate(lengths) if causal_area(0, n) > cap]
+    two_nodes = cost_model_module._charged_horizon(d, lengths, counted, 2 << 17, 2 * cap)
+    assert cost_model_module._capacity_horizon(d, 2, lengths, 8, 1 << 17, 2 * cap,
+                                               cost_model_module._Sparsest(lengths)) == 0 < 10_000 < two_nodes
+    bound = inter_node_rows_lower_bound(lengths, 8, 1.0, 1 << 17)
+    monkeypatch.setattr(cost_model_module, "_CHARGED_CANDIDATES", 0)
+    assert bound >= inter_node_rows_lower_bound(lengths, 8, 1.0, 1 << 17) + two_nodes
 
 
 @pytest.mark.parametrize("layout", ["sequence-aware", "zigzag", "contiguous"])

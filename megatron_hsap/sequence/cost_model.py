@@ -138,8 +138,8 @@ def inter_node_rows_lower_bound(doc_lengths: Sequence[int], num_nodes: int, imba
     document's tokens off them are at most the densest ``s`` below ``h_k``. Rows >= sum_k of the bounds.
 
     With token capacities, one term ``h_k`` of one document is also charged for the other documents its ``k``
-    nodes must take (``_charged_horizon``): a document partly on them moves at least ``min(t, L - t)`` of its
-    own rows, which no other term counts; the largest such gain over the (document, k) pairs is added once.
+    nodes must take (``_charged_horizon``): a document partly on them moves rows of its own, which no other term
+    counts; the largest such gain over the (document, k) pairs is added once.
     """
     if not isinstance(num_nodes, int) or isinstance(num_nodes, bool) or num_nodes < 1:
         raise ValueError(f"num_nodes={num_nodes!r} must be a positive int")
@@ -170,10 +170,9 @@ def inter_node_rows_lower_bound(doc_lengths: Sequence[int], num_nodes: int, imba
     for d in sorted(range(len(lengths)), key=areas.__getitem__, reverse=True)[:_CHARGED_CANDIDATES]:
         if areas[d] <= cap / 4:
             break  # the candidates come by decreasing area
-        for k in range(1, num_nodes):
-            if k == 1 or terms[d][k - 1] > 0:
-                need = total - (num_nodes - k) * node_tokens
-                gain = max(gain, _charged_horizon(d, lengths, counted, need, k * cap) - terms[d][k - 1])
+        for k in range(1, num_nodes):  # every k: a term the capacity bound leaves at 0 may still be charged
+            need = total - (num_nodes - k) * node_tokens
+            gain = max(gain, _charged_horizon(d, lengths, counted, need, k * cap) - terms[d][k - 1])
     return rows + gain
 
 
@@ -188,8 +187,12 @@ def _charged_horizon(d: int, lengths: Sequence[int], counted: Sequence[int], nee
     U holds every position of d from ``h_k = x`` on (the other holders' horizons are at most ``x``), ``s <= x`` of
     its positions below (area at least ``s (s + 1) / 2``), and ``t_e`` tokens of each other document e (area at
     least ``t_e (t_e + 1) / 2``; the whole document carries exactly its area). A document e partly on U
-    (``0 < t_e < L_e``) moves at least ``min(t_e, L_e - t_e)`` rows: if its last token is off U, U's holders'
-    horizons add up to at least ``t_e``, else its holders off U hold ``L_e - t_e`` tokens below their horizons.
+    (``0 < t_e < L_e``) with its last token off U moves at least ``t_e`` rows (U's holders' horizons add up to
+    that much). With its last token on U, its ``q = L_e - t_e`` positions off U lie below the largest horizon
+    ``r`` of their holders, so e moves ``r >= q`` rows and U keeps at least its area less ``q (2 r - q + 1) / 2``;
+    for any prices that costs no less than e whole on U or off U (the price is linear in ``r``, then concave
+    in ``q``: its minimum is at the ends), so each document's options are none, whole, or a head of ``t_e``
+    tokens moving ``t_e`` rows.
 
     For a given x, the fewest charged rows C(x) of that relaxation is bounded below by Lagrangian duality
     (any area price ``lam`` and token reward ``mu`` give a bound; a grid of them is tried, each document's
@@ -208,14 +211,14 @@ def _charged_horizon(d: int, lengths: Sequence[int], counted: Sequence[int], nee
     lam = (2 * np.repeat(mus, len(scales)) / np.tile(scales, len(mus)))[:, None]
 
     def least(limit: np.ndarray, charge: bool) -> np.ndarray:
-        """min over real t in [0, limit] of c(t) + lam t (t + 1) / 2 - mu t, per (lam, mu) and size: convex
-        quadratics (one per branch of c), each at its vertex clipped to its interval."""
+        """min over a document's options (none, a head of real t tokens, whole) of its charged rows + lam area - mu
+        tokens, per (lam, mu) and size: the head's convex quadratic at its vertex clipped to [0, limit]."""
         def value(lo: np.ndarray, hi: np.ndarray, slope: float) -> np.ndarray:
             t = np.clip((mu + slope - lam / 2) / lam, lo, hi)
             return lam * t * (t + 1) / 2 - (mu + slope) * t
         if not charge:
             return value(0 * limit, limit, 0.0)
-        return np.minimum(value(0 * limit, limit / 2, -1.0), value(limit / 2, limit, 1.0) + limit)
+        return np.minimum(value(0 * limit, limit, -1.0), lam * limit * (limit + 1) / 2 - mu * limit)
 
     base = (least(sizes, True) * charged).sum(axis=1) + (least(sizes, False) * uncharged).sum(axis=1)
 
