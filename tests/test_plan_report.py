@@ -32,7 +32,7 @@ def _table_rows(text: str) -> List[List[str]]:
 def test_tiny_report_has_one_row_per_placement(report, capsys, tmp_path) -> None:
     png = tmp_path / "plan.png"
     assert report.main(["--mixes", "buckets", "--sizes", "128K", "--layouts", "2x8", "--batches", "2",
-                        "--plot", str(png)]) == 0
+                        "--repeats", "2", "--plot", str(png)]) == 0
     out = capsys.readouterr().out
     rows = _table_rows(out)
     assert [r[4] for r in rows] == ["sequence-aware", "zigzag", "contiguous"]
@@ -46,6 +46,13 @@ def test_tiny_report_has_one_row_per_placement(report, capsys, tmp_path) -> None
     assert float(seq[6]) <= 1.02 and float(seq[8]) <= 1.05  # worst attention and token imbalance
     assert png.stat().st_size > 0
     assert any(line.startswith("buckets 128K 2x8 hybrid sequence-aware:") for line in out.splitlines())
+
+
+@pytest.mark.parametrize("flag", ["--batches", "--repeats"])
+def test_counts_below_one_are_refused(report, capsys, flag: str) -> None:
+    with pytest.raises(SystemExit):
+        report.main([flag, "0"])
+    assert f"{flag} must be >= 1, got 0" in capsys.readouterr().err
 
 
 def test_quality_targets_on_the_issue_configurations(report) -> None:
