@@ -103,8 +103,9 @@ class _Item:
             self.length, self.area = offsets[-1], areas[-1]
             self._offsets, self._areas = offsets, areas
         # Sort key, computed once (an item is sorted at every level below): decreasing density (area per token,
-        # on an integer scale: deterministic), then document (a pool holds one item per document).
-        self.key = (-self.area * (1 << 20) // self.length if self.length else 0, doc)
+        # on an integer scale: deterministic), then document (a pool holds one item per document); one int, as
+        # (density, doc) tuples sort ~2.5x slower.
+        self.key = (-self.area * (1 << 20) // self.length if self.length else 0) * (1 << 32) + doc
 
     def area_before(self, offset: int) -> int:
         """Causal area of the first ``offset`` tokens of the stream."""
