@@ -224,6 +224,8 @@ def _horizon_for(item: _Item, tau: int, area: float, head: Optional[int] = None)
     if window >= area:
         return x
     ranges, n = item.ranges, item.length
+    if len(ranges) == 1:  # one piece: W grows by tau per token up to the end
+        return x + _steps(window, tau, area) if window + tau * (n - x) >= area else None
     i = j = 0  # the ranges holding stream tokens x - tau (i) and x (j); o_i, o_j: their first offsets
     o_i = o_j = 0
     while x < n:
@@ -236,12 +238,17 @@ def _horizon_for(item: _Item, tau: int, area: float, head: Optional[int] = None)
         end = min(o_j + ranges[j][1] - ranges[j][0], o_i + ranges[i][1] - ranges[i][0] + tau)
         slope = (ranges[j][0] - o_j) - (ranges[i][0] - o_i) + tau
         if window + slope * (end - x) >= area:
-            step = max(1, math.ceil((area - window) / slope))  # exact in integers despite float rounding:
-            step += -1 if step > 1 and window + slope * (step - 1) >= area else int(window + slope * step < area)
-            return x + step
+            return x + _steps(window, slope, area)
         window += slope * (end - x)
         x = end
     return None
+
+
+def _steps(window: float, slope: int, area: float) -> int:
+    """Fewest tokens ``step >= 1`` with ``window + slope * step >= area`` (``window < area``, ``slope > 0``): the
+    ceiling of the quotient, corrected by one where float rounding put it off."""
+    step = max(1, math.ceil((area - window) / slope))
+    return step - 1 if step > 1 and window + slope * (step - 1) >= area else step + int(window + slope * step < area)
 
 
 class _Bisection:
@@ -322,6 +329,7 @@ class _Bisection:
             return None
         missing, slack = self.missing[holder], self.slack
         least, most, area_before = pool.least, pool.most, item.area_before
+        start = item.ranges[0][0] if len(item.ranges) == 1 else None  # one piece: its heads in closed form
         best, seen = None, set()
         limit = hi + 1 if beat is None else beat  # the horizon is at least tau: no better cut from tau = limit on
         left, right = lo, hi
@@ -333,7 +341,7 @@ class _Bisection:
                 if tau in seen:
                     continue
                 seen.add(tau)
-                head = area_before(tau)
+                head = area_before(tau) if start is None else tau * (2 * start + tau + 1) // 2
                 if head > missing - least(i, room - tau) + slack:
                     continue
                 need = missing - most(i, room - tau)
