@@ -329,7 +329,7 @@ class _Bisection:
             return None
         missing, slack = self.missing[holder], self.slack
         least, most, area_before = pool.least, pool.most, item.area_before
-        start = item.ranges[0][0] if len(item.ranges) == 1 else None  # one piece: its heads in closed form
+        start = item.ranges[0][0] if len(item.ranges) == 1 else None  # one piece: its heads without the method
         best, seen = None, set()
         limit = hi + 1 if beat is None else beat  # the horizon is at least tau: no better cut from tau = limit on
         left, right = lo, hi
@@ -341,7 +341,7 @@ class _Bisection:
                 if tau in seen:
                     continue
                 seen.add(tau)
-                head = area_before(tau) if start is None else tau * (2 * start + tau + 1) // 2
+                head = area_before(tau) if start is None else causal_area(start, start + tau)
                 if head > missing - least(i, room - tau) + slack:
                     continue
                 need = missing - most(i, room - tau)
