@@ -497,6 +497,19 @@ def test_lower_bound_charges_the_documents_a_node_must_take_partly(monkeypatch) 
     assert bound >= inter_node_rows_lower_bound(lengths, 8, 1.0, 1 << 17) + two_nodes
 
 
+def test_lower_bound_shares_the_charged_rows_among_several_terms(monkeypatch) -> None:
+    # stdlib batch 33 on 8 nodes: terms k = 1..4 of its 107K-token file each gain from the charges. Charging the
+    # other documents' rows in shares (summing to 1) to several terms beats charging them to the best term alone,
+    # and the bound stays below what the placement moves at the balance it reaches.
+    lengths = _heavy_tailed(33)
+    shared = inter_node_rows_lower_bound(lengths, 8, 1.0, 1 << 17)
+    monkeypatch.setattr(cost_model_module, "_SHARES", 1)  # whole shares: one term charged
+    assert shared > inter_node_rows_lower_bound(lengths, 8, 1.0, 1 << 17) + 10_000
+    monkeypatch.undo()
+    stats = plan_batch(cu_seqlens_from_lengths(lengths), CPTopology.offline(64, 8, 8), "sequence-aware").stats(32, 8, 128)
+    assert sum(stats.send_bytes_inter) >= inter_node_rows_lower_bound(lengths, 8, stats.flops_imbalance, 1 << 17) * 4096
+
+
 @pytest.mark.parametrize("layout", ["sequence-aware", "zigzag", "contiguous"])
 @pytest.mark.parametrize("cp,ulysses,per_node", [(8, 1, 4), (8, 2, 4), (6, 1, 3), (4, 2, 2)])
 def test_forwarded_bytes_count_each_remote_row_once_per_node(layout: str, cp: int, ulysses: int,

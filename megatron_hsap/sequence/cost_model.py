@@ -137,9 +137,13 @@ def inter_node_rows_lower_bound(doc_lengths: Sequence[int], num_nodes: int, imba
     the least area that many tokens of the other documents can carry (the sparsest positions), and the
     document's tokens off them are at most the densest ``s`` below ``h_k``. Rows >= sum_k of the bounds.
 
-    With token capacities, one term ``h_k`` of one document is also charged for the other documents its ``k``
-    nodes must take (``_charged_horizon``): a document partly on them moves rows of its own, which no other term
-    counts; the largest such gain over the (document, k) pairs is added once.
+    With token capacities, terms ``h_k`` of the largest documents are also charged for the other documents their
+    ``k`` nodes must take (``_charged_horizon``): a document partly on them moves rows of its own, which no other
+    term counts. Several terms may charge the same document, so term ``j`` counts a share ``theta_j`` of those
+    rows, the shares summing to at most 1 (in eighths: a small knapsack over the terms that gain). A share is
+    worth more than its fraction of the full charge (the bound is concave in it: a few sparse tokens are what
+    the nodes miss most). A candidate whose own terms are all 0 is a document other terms may charge, so its
+    charged term counts its own horizon at the same share too.
     """
     if not isinstance(num_nodes, int) or isinstance(num_nodes, bool) or num_nodes < 1:
         raise ValueError(f"num_nodes={num_nodes!r} must be a positive int")
@@ -163,26 +167,38 @@ def inter_node_rows_lower_bound(doc_lengths: Sequence[int], num_nodes: int, imba
             terms[d].append(free)
     if sparsest is None or num_nodes < 2:
         return rows
+    candidates = [d for d in sorted(range(len(lengths)), key=areas.__getitem__, reverse=True)[:_CHARGED_CANDIDATES]
+                  if areas[d] > cap / 4]
     # Documents whose rows some term counts may join the nodes free of charge (their rows are counted already).
-    counted = [d for d in range(len(lengths)) if terms[d][0] > 0]
-    gain = 0
+    counted = [d for d in range(len(lengths)) if any(terms[d])]
     total = sum(lengths)
-    for d in sorted(range(len(lengths)), key=areas.__getitem__, reverse=True)[:_CHARGED_CANDIDATES]:
-        if areas[d] <= cap / 4:
-            break  # the candidates come by decreasing area
+    best = [0] * (_SHARES + 1)  # best[s]: the largest gain of the terms seen so far, charging s eighths in all
+    for d in candidates:
         for k in range(1, num_nodes):  # every k: a term the capacity bound leaves at 0 may still be charged
             need = total - (num_nodes - k) * node_tokens
-            gain = max(gain, _charged_horizon(d, lengths, counted, need, k * cap) - terms[d][k - 1])
-    return rows + gain
+            whole = _charged_horizon(d, lengths, counted, need, k * cap) - terms[d][k - 1]
+            if whole <= 0:  # a term that gains nothing at the full share gains nothing at a smaller one
+                continue
+            if any(terms[d]):
+                gains = [0] + [max(0, _charged_horizon(d, lengths, counted, need, k * cap, u / _SHARES) - terms[d][k - 1])
+                               for u in range(1, _SHARES)] + [whole]
+            else:  # other terms may charge d's rows too: then its own horizon can count only its share
+                gains = [whole * u // _SHARES for u in range(_SHARES + 1)]
+            best = [max(best[s - u] + gains[u] for u in range(s + 1)) for s in range(_SHARES + 1)]
+    return rows + best[_SHARES]
 
 
-# The largest documents whose horizons are charged for their nodes' other documents (one term gains).
+# The largest documents whose horizons are charged for their nodes' other documents.
 _CHARGED_CANDIDATES = 4
+# Shares of the charged rows are tried in steps of 1 / _SHARES.
+_SHARES = 8
 
 
-def _charged_horizon(d: int, lengths: Sequence[int], counted: Sequence[int], need: int, cap: float) -> int:
-    """A lower bound on ``h_k`` of document d plus the rows of the uncounted documents partly on the ``k`` nodes U
-    made of its last-token holder and its holders 1..k-1 (``need``, ``cap``: U's least tokens and most area).
+def _charged_horizon(d: int, lengths: Sequence[int], counted: Sequence[int], need: int, cap: float,
+                     share: float = 1.0) -> int:
+    """A lower bound on ``h_k`` of document d plus ``share`` of the rows of the uncounted documents partly on the
+    ``k`` nodes U made of its last-token holder and its holders 1..k-1 (``need``, ``cap``: U's least tokens and
+    most area).
 
     U holds every position of d from ``h_k = x`` on (the other holders' horizons are at most ``x``), ``s <= x`` of
     its positions below (area at least ``s (s + 1) / 2``), and ``t_e`` tokens of each other document e (area at
@@ -192,7 +208,7 @@ def _charged_horizon(d: int, lengths: Sequence[int], counted: Sequence[int], nee
     ``r`` of their holders, so e moves ``r >= q`` rows and U keeps at least its area less ``q (2 r - q + 1) / 2``;
     for any prices that costs no less than e whole on U or off U (the price is linear in ``r``, then concave
     in ``q``: its minimum is at the ends), so each document's options are none, whole, or a head of ``t_e``
-    tokens moving ``t_e`` rows.
+    tokens moving ``t_e`` rows. Priced at ``share`` per row instead of 1, both arguments hold unchanged.
 
     For a given x, the fewest charged rows C(x) of that relaxation is bounded below by Lagrangian duality
     (any area price ``lam`` and token reward ``mu`` give a bound; a grid of them is tried, each document's
@@ -206,19 +222,20 @@ def _charged_horizon(d: int, lengths: Sequence[int], counted: Sequence[int], nee
     charged = np.array([others[n] - free.get(int(n), 0) for n in sizes], dtype=np.float64)
     uncharged = np.array([free.get(int(n), 0) for n in sizes], dtype=np.float64)
     mus = np.array([0.5, 0.9, 1.0, 1.05, 1.2, 1.5, 2.0, 3.0, 5.0, 10.0])
+    mus = np.unique(np.concatenate([mus, share * mus]))  # a share of the rows: rewards on its scale too
     scales = np.geomspace(1.0, max(float(length), 2.0) * 2, 24)
     mu = np.repeat(mus, len(scales))[:, None]
     lam = (2 * np.repeat(mus, len(scales)) / np.tile(scales, len(mus)))[:, None]
 
     def least(limit: np.ndarray, charge: bool) -> np.ndarray:
-        """min over a document's options (none, a head of real t tokens, whole) of its charged rows + lam area - mu
+        """min over a document's options (none, a head of real t tokens, whole) of share x its rows + lam area - mu
         tokens, per (lam, mu) and size: the head's convex quadratic at its vertex clipped to [0, limit]."""
         def value(lo: np.ndarray, hi: np.ndarray, slope: float) -> np.ndarray:
             t = np.clip((mu + slope - lam / 2) / lam, lo, hi)
             return lam * t * (t + 1) / 2 - (mu + slope) * t
         if not charge:
             return value(0 * limit, limit, 0.0)
-        return np.minimum(value(0 * limit, limit, -1.0), lam * limit * (limit + 1) / 2 - mu * limit)
+        return np.minimum(value(0 * limit, limit, -share), lam * limit * (limit + 1) / 2 - mu * limit)
 
     base = (least(sizes, True) * charged).sum(axis=1) + (least(sizes, False) * uncharged).sum(axis=1)
 
