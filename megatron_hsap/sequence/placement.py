@@ -37,6 +37,7 @@ docs/sequence_aware.md has the full argument; in short, one bisection:
 from __future__ import annotations
 
 import bisect
+import functools
 import math
 from collections import Counter
 from itertools import accumulate, chain, zip_longest
@@ -142,6 +143,9 @@ class _Item:
 def _areas_before(items: Sequence[_Item], which: np.ndarray, taus: np.ndarray) -> np.ndarray:
     """``items[which[i]].area_before(taus[i])`` for every i at once (float64: exact below 2**53): the items'
     ranges in one table keyed by (item, stream offset), one search for all queries."""
+    if all(len(it.ranges) == 1 for it in items):  # whole documents and one-piece items: causal_area at once
+        starts = np.array([it.ranges[0][0] for it in items], dtype=np.float64)[which]
+        return taus * (2 * starts + taus + 1) / 2
     owner, offsets, starts, prefix = [], [], [], []
     for k, it in enumerate(items):
         offset, area = 0, 0
@@ -505,6 +509,14 @@ def _least_end(length: np.ndarray, area: np.ndarray) -> np.ndarray:
     return np.maximum(length, np.ceil(area / np.maximum(length, 1) + (length - 1) / 2))
 
 
+@functools.lru_cache(maxsize=None)
+def _subset_masks(n: int) -> np.ndarray:
+    """``[2**n, n]`` 0/1: row m holds the bits of m (item k in subset m); read-only, shared by every call."""
+    masks = (np.arange(1 << n)[:, None] >> np.arange(n)) & 1
+    masks.setflags(write=False)
+    return masks
+
+
 def _exhaustive_bisection(items: List[_Item], rooms: Tuple[int, int], targets: Tuple[float, float],
                           slack: float) -> Optional[List[List[_Item]]]:
     """The cheapest split of a few items with at most one cut, over every subset of whole items for the left
@@ -519,7 +531,7 @@ def _exhaustive_bisection(items: List[_Item], rooms: Tuple[int, int], targets: T
     bound on their rows (``_least_end``, exact for a whole document; at most ``_VISITS``), stopping at the best."""
     items = sorted(items, key=_doc_of)  # ties between subsets go to the same one whatever the items' order
     n = len(items)
-    masks = (np.arange(1 << n)[:, None] >> np.arange(n)) & 1
+    masks = _subset_masks(n)
     tokens, areas = np.zeros(1, dtype=np.int64), np.zeros(1)
     for it in items:  # subset m's sums, m's bit k meaning item k: the subsets without item k, then with it
         tokens, areas = np.concatenate([tokens, tokens + it.length]), np.concatenate([areas, areas + it.area])
