@@ -489,7 +489,7 @@ def test_lower_bound_charges_the_documents_a_node_must_take_partly(monkeypatch) 
     lengths = _heavy_tailed(7)
     d, cap = lengths.index(80823), sum(causal_area(0, n) for n in lengths) / 8
     counted = [e for e, n in enumerate(lengths) if causal_area(0, n) > cap]
-    two_nodes = cost_model_module._charged_horizon(d, lengths, counted, 2 << 17, 2 * cap)
+    two_nodes = cost_model_module._charged_horizons((d,), (0,), lengths, counted, 2 << 17, 2 * cap)
     assert cost_model_module._capacity_horizon(d, 2, lengths, 8, 1 << 17, 2 * cap,
                                                cost_model_module._Sparsest(lengths)) == 0 < 10_000 < two_nodes
     bound = inter_node_rows_lower_bound(lengths, 8, 1.0, 1 << 17)
@@ -505,6 +505,19 @@ def test_lower_bound_shares_the_charged_rows_among_several_terms(monkeypatch) ->
     shared = inter_node_rows_lower_bound(lengths, 8, 1.0, 1 << 17)
     monkeypatch.setattr(cost_model_module, "_SHARES", 1)  # whole shares: one term charged
     assert shared > inter_node_rows_lower_bound(lengths, 8, 1.0, 1 << 17) + 10_000
+    monkeypatch.undo()
+    stats = plan_batch(cu_seqlens_from_lengths(lengths), CPTopology.offline(64, 8, 8), "sequence-aware").stats(32, 8, 128)
+    assert sum(stats.send_bytes_inter) >= inter_node_rows_lower_bound(lengths, 8, stats.flops_imbalance, 1 << 17) * 4096
+
+
+def test_lower_bound_pairs_two_documents_competing_for_sparse_tokens(monkeypatch) -> None:
+    # Lognormal batch 3 on 8 nodes: files of 144K and 122K tokens need 4 and 3 nodes' area, and those 7 nodes
+    # must also take ~600K tokens of little area; each document's terms alone give it the batch's sparsest
+    # tokens, the pair's term shares them (one term of each, on the union of their nodes).
+    lengths = lognormal_doc_lengths(1 << 20, seed=3)
+    paired = inter_node_rows_lower_bound(lengths, 8, 1.0, 1 << 17)
+    monkeypatch.setattr(cost_model_module, "_PAIRED_CANDIDATES", 0)
+    assert paired > inter_node_rows_lower_bound(lengths, 8, 1.0, 1 << 17) + 30_000
     monkeypatch.undo()
     stats = plan_batch(cu_seqlens_from_lengths(lengths), CPTopology.offline(64, 8, 8), "sequence-aware").stats(32, 8, 128)
     assert sum(stats.send_bytes_inter) >= inter_node_rows_lower_bound(lengths, 8, stats.flops_imbalance, 1 << 17) * 4096

@@ -20,6 +20,7 @@ equals the attention of one query against ~26.6K keys.
 from __future__ import annotations
 
 import bisect
+import itertools
 import math
 from dataclasses import dataclass
 from collections import Counter
@@ -172,33 +173,69 @@ def inter_node_rows_lower_bound(doc_lengths: Sequence[int], num_nodes: int, imba
     # Documents whose rows some term counts may join the nodes free of charge (their rows are counted already).
     counted = [d for d in range(len(lengths)) if any(terms[d])]
     total = sum(lengths)
-    best = [0] * (_SHARES + 1)  # best[s]: the largest gain of the terms seen so far, charging s eighths in all
+
+    def need(m: int) -> int:  # the least tokens of m nodes
+        return total - (num_nodes - m) * node_tokens
+
+    singles = {}  # (d, k) -> gain at each share u / _SHARES of the charges
     for d in candidates:
         for k in range(1, num_nodes):  # every k: a term the capacity bound leaves at 0 may still be charged
-            need = total - (num_nodes - k) * node_tokens
-            whole = _charged_horizon(d, lengths, counted, need, k * cap) - terms[d][k - 1]
-            if whole <= 0:  # a term that gains nothing at the full share gains nothing at a smaller one
-                continue
+            lows, unions = (terms[d][k - 1],), [(need(k), k * cap)]
             if any(terms[d]):
-                gains = [0] + [max(0, _charged_horizon(d, lengths, counted, need, k * cap, u / _SHARES) - terms[d][k - 1])
-                               for u in range(1, _SHARES)] + [whole]
+                gains = _charged_gains((d,), lows, unions, lengths, counted, 33)
             else:  # other terms may charge d's rows too: then its own horizon can count only its share
-                gains = [whole * u // _SHARES for u in range(_SHARES + 1)]
-            best = [max(best[s - u] + gains[u] for u in range(s + 1)) for s in range(_SHARES + 1)]
-    return rows + best[_SHARES]
+                whole = _charged_horizons((d,), lows, lengths, counted, need(k), k * cap)
+                gains = [whole * u // _SHARES for u in range(_SHARES + 1)] if whole > 0 else None
+            if gains:
+                singles[d, k] = gains
+    best = _best_shares(list(singles.values()))
+    # Two documents whose nodes must both take sparse tokens compete for them: one term of each, jointly, on the
+    # union of their node sets (m nodes, not known: the least over m). At most one pair, its two horizons then not
+    # charged alone.
+    paired = [d for d in candidates[:_PAIRED_CANDIDATES] if any(terms[d])]
+    for a, b in itertools.combinations(paired, 2):
+        for ka, kb in ((ka, kb) for ka in range(1, num_nodes) for kb in range(1, num_nodes - ka + 1)):
+            unions = [(need(m), m * cap) for m in range(max(ka, kb), ka + kb + 1)]
+            gains = _charged_gains((a, b), (terms[a][ka - 1], terms[b][kb - 1]), unions, lengths, counted, 17)
+            if gains:
+                rest = [g for key, g in singles.items() if key not in ((a, ka), (b, kb))]
+                best = max(best, _best_shares(rest + [gains]))
+    return rows + best
 
 
-# The largest documents whose horizons are charged for their nodes' other documents.
-_CHARGED_CANDIDATES = 4
+# The largest documents whose horizons are charged for their nodes' other documents, and of those, the ones paired.
+_CHARGED_CANDIDATES, _PAIRED_CANDIDATES = 4, 3
 # Shares of the charged rows are tried in steps of 1 / _SHARES.
 _SHARES = 8
 
 
-def _charged_horizon(d: int, lengths: Sequence[int], counted: Sequence[int], need: int, cap: float,
-                     share: float = 1.0) -> int:
-    """A lower bound on ``h_k`` of document d plus ``share`` of the rows of the uncounted documents partly on the
-    ``k`` nodes U made of its last-token holder and its holders 1..k-1 (``need``, ``cap``: U's least tokens and
-    most area).
+def _charged_gains(docs: Tuple[int, ...], lows: Tuple[int, ...], unions: Sequence[Tuple[int, float]],
+                   lengths: Sequence[int], counted: Sequence[int], points: int) -> Optional[List[int]]:
+    """Gains of ``_charged_horizons`` over the uncharged terms ``lows`` at each share ``u / _SHARES`` of the charges,
+    the least over the possible node sets ``unions`` (least tokens, most area); None when the full share gains
+    nothing (a smaller one gains no more)."""
+    def gain(share: float) -> int:
+        return max(0, min(_charged_horizons(docs, lows, lengths, counted, tokens, area, share, points)
+                          for tokens, area in unions) - sum(lows))
+
+    whole = gain(1.0)
+    return [0] + [gain(u / _SHARES) for u in range(1, _SHARES)] + [whole] if whole else None
+
+
+def _best_shares(gains: List[List[int]]) -> int:
+    """The largest total gain of terms with gains at each share ``u / _SHARES``, the shares summing to at most 1."""
+    best = [0] * (_SHARES + 1)
+    for gain in gains:
+        best = [max(best[s - u] + gain[u] for u in range(s + 1)) for s in range(_SHARES + 1)]
+    return best[_SHARES]
+
+
+def _charged_horizons(docs: Tuple[int, ...], lows: Tuple[int, ...], lengths: Sequence[int], counted: Sequence[int],
+                      need: int, cap: float, share: float = 1.0, points: int = 33) -> int:
+    """A lower bound on the sum of one horizon ``h`` of each document in ``docs`` plus ``share`` of the rows of the
+    uncounted documents partly on the nodes U whose least tokens and most area are ``need`` and ``cap``: for one
+    document d and its ``h_k``, U is made of d's last-token holder and its holders 1..k-1; for two, the union of
+    such sets (``lows``: known lower bounds on the horizons).
 
     U holds every position of d from ``h_k = x`` on (the other holders' horizons are at most ``x``), ``s <= x`` of
     its positions below (area at least ``s (s + 1) / 2``), and ``t_e`` tokens of each other document e (area at
@@ -210,20 +247,21 @@ def _charged_horizon(d: int, lengths: Sequence[int], counted: Sequence[int], nee
     in ``q``: its minimum is at the ends), so each document's options are none, whole, or a head of ``t_e``
     tokens moving ``t_e`` rows. Priced at ``share`` per row instead of 1, both arguments hold unchanged.
 
-    For a given x, the fewest charged rows C(x) of that relaxation is bounded below by Lagrangian duality
+    For given horizons x, the fewest charged rows C(x) of that relaxation is bounded below by Lagrangian duality
     (any area price ``lam`` and token reward ``mu`` give a bound; a grid of them is tried, each document's
-    best ``t`` in closed form). C(x) does not increase with x (moving position x into the ``s`` tokens keeps
-    the tokens and does not add area), so over a partition of ``[0, L]``, ``x + C(x) >= x_i + C(x_{i+1})``
-    on ``[x_i, x_{i+1}]``: the minimum over the partition is a bound."""
-    length = lengths[d]
-    others = Counter(n for e, n in enumerate(lengths) if e != d and n)
-    free = Counter(lengths[e] for e in counted if e != d and lengths[e])
+    best ``t`` in closed form). C does not increase with any x (moving position x into the ``s`` tokens keeps
+    the tokens and does not add area), so over a partition of each horizon's range into ``points`` points,
+    ``sum x + C(x)`` is at least the cell's lower corner plus C at its upper corner: the least over the cells
+    is a bound (the least cell partitioned again)."""
+    inside = set(docs)
+    others = Counter(n for e, n in enumerate(lengths) if e not in inside and n)
+    free = Counter(lengths[e] for e in counted if e not in inside and lengths[e])
     sizes = np.array(sorted(others), dtype=np.float64)
     charged = np.array([others[n] - free.get(int(n), 0) for n in sizes], dtype=np.float64)
     uncharged = np.array([free.get(int(n), 0) for n in sizes], dtype=np.float64)
     mus = np.array([0.5, 0.9, 1.0, 1.05, 1.2, 1.5, 2.0, 3.0, 5.0, 10.0])
     mus = np.unique(np.concatenate([mus, share * mus]))  # a share of the rows: rewards on its scale too
-    scales = np.geomspace(1.0, max(float(length), 2.0) * 2, 24)
+    scales = np.geomspace(1.0, max(float(max(lengths[d] for d in docs)), 2.0) * 2, 24)
     mu = np.repeat(mus, len(scales))[:, None]
     lam = (2 * np.repeat(mus, len(scales)) / np.tile(scales, len(mus)))[:, None]
 
@@ -237,24 +275,32 @@ def _charged_horizon(d: int, lengths: Sequence[int], counted: Sequence[int], nee
             return value(0 * limit, limit, 0.0)
         return np.minimum(value(0 * limit, limit, -share), lam * limit * (limit + 1) / 2 - mu * limit)
 
-    base = (least(sizes, True) * charged).sum(axis=1) + (least(sizes, False) * uncharged).sum(axis=1)
+    base = ((least(sizes, True) * charged).sum(axis=1) + (least(sizes, False) * uncharged).sum(axis=1)
+            - lam[:, 0] * cap + mu[:, 0] * need)
 
-    def charge_at(x: int) -> float:
-        own = least(np.array([float(x)]), False)[:, 0]
-        dual = base + own - lam[:, 0] * (cap - causal_area(x, length)) + mu[:, 0] * (need - (length - x))
-        return max(0.0, float(dual.max()))
+    def own(d: int, x: np.ndarray) -> np.ndarray:
+        """d's part of the dual at horizons x: its head below x (uncharged), its tail from x on."""
+        length, x = lengths[d], x.astype(np.float64)
+        return least(x, False) + lam * ((length - x) * (x + length + 1) / 2) - mu * (length - x)
 
-    def partition_bound(points: Sequence[int]) -> List[float]:
-        charges = [charge_at(x) for x in points[1:]]
-        return [x + c for x, c in zip(points, charges)]
+    def cells(grids: List[np.ndarray]) -> np.ndarray:
+        dual, low, n = base.reshape((-1,) + (1,) * len(docs)), 0, len(docs)
+        for k, (d, grid) in enumerate(zip(docs, grids)):
+            shape = [1] * n
+            shape[k] = len(grid) - 1
+            dual = dual + own(d, grid[1:]).reshape([-1] + shape)
+            low = low + grid[:-1].reshape(shape)
+        return low + np.maximum(dual.max(axis=0), 0.0)
 
-    coarse = sorted(set(np.linspace(0, length, 33).astype(int).tolist()))
-    bounds = partition_bound(coarse)
-    i = int(np.argmin(bounds))
-    # The interval of the least bound partitioned again; the others keep their bounds.
-    refined = partition_bound(sorted(set(np.linspace(coarse[i], coarse[i + 1], 33).astype(int).tolist())))
-    rest = bounds[:i] + bounds[i + 1:]
-    return int(math.ceil(min(refined + rest) - 1e-6))
+    def partition(lo: int, hi: int) -> np.ndarray:
+        grid = np.unique(np.linspace(lo, hi, points).astype(np.int64))
+        return grid if len(grid) > 1 else np.array([lo, hi], dtype=np.int64)
+
+    grids = [partition(low, lengths[d]) for d, low in zip(docs, lows)]
+    values = cells(grids)
+    least_cell = np.unravel_index(int(np.argmin(values)), values.shape)
+    values[least_cell] = cells([partition(int(g[i]), int(g[i + 1])) for g, i in zip(grids, least_cell)]).min()
+    return int(math.ceil(float(values.min()) - 1e-6))
 
 
 class _Sparsest:
