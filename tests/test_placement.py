@@ -512,7 +512,7 @@ def test_lower_bound_shares_the_charged_rows_among_several_terms(monkeypatch) ->
 
 def test_lower_bound_pairs_two_documents_competing_for_sparse_tokens(monkeypatch) -> None:
     # Lognormal batch 3 on 8 nodes: files of 144K and 122K tokens need 4 and 3 nodes' area, and those 7 nodes
-    # must also take ~600K tokens of little area; each document's terms alone give it the batch's sparsest
+    # must also take ~650K tokens of little area; each document's terms alone give it the batch's sparsest
     # tokens, the pair's term shares them (one term of each, on the union of their nodes).
     lengths = lognormal_doc_lengths(1 << 20, seed=3)
     paired = inter_node_rows_lower_bound(lengths, 8, 1.0, 1 << 17)
