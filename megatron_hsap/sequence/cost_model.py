@@ -139,12 +139,15 @@ def inter_node_rows_lower_bound(doc_lengths: Sequence[int], num_nodes: int, imba
     document's tokens off them are at most the densest ``s`` below ``h_k``. Rows >= sum_k of the bounds.
 
     With token capacities, terms ``h_k`` of the largest documents are also charged for the other documents their
-    ``k`` nodes must take (``_charged_horizon``): a document partly on them moves rows of its own, which no other
+    ``k`` nodes must take (``_charged_horizons``): a document partly on them moves rows of its own, which no other
     term counts. Several terms may charge the same document, so term ``j`` counts a share ``theta_j`` of those
     rows, the shares summing to at most 1 (in eighths: a small knapsack over the terms that gain). A share is
     worth more than its fraction of the full charge (the bound is concave in it: a few sparse tokens are what
     the nodes miss most). A candidate whose own terms are all 0 is a document other terms may charge, so its
-    charged term counts its own horizon at the same share too.
+    charged term counts its own horizon at the same share too. Two large documents' nodes compete for the same
+    sparse tokens, which separate terms each count in full: one term of each of two documents is also bounded
+    jointly, on the union of their node sets (its size unknown: the least over the possible sizes), and the
+    best such pair joins the knapsack in place of its two terms.
     """
     if not isinstance(num_nodes, int) or isinstance(num_nodes, bool) or num_nodes < 1:
         raise ValueError(f"num_nodes={num_nodes!r} must be a positive int")
