@@ -108,14 +108,6 @@ class _Item:
         # (density, doc) tuples sort ~2.5x slower.
         self.key = (-self.area * (1 << 20) // self.length if self.length else 0) * (1 << 32) + doc
 
-    @classmethod
-    def whole(cls, doc: int, length: int) -> "_Item":
-        """Document ``doc`` whole (``length > 0``): ``_Item(doc, ((0, length),))`` without the general path."""
-        it = cls.__new__(cls)
-        it.doc, it.ranges, it.length, it.area, it._offsets = doc, ((0, length),), length, length * (length + 1) // 2, None
-        it.key = (-it.area * (1 << 20) // length) * (1 << 32) + doc
-        return it
-
     def area_before(self, offset: int) -> int:
         """Causal area of the first ``offset`` tokens of the stream."""
         if self._offsets is None:
@@ -218,8 +210,6 @@ def _attention_targets(caps: Sequence[int], total_area: int, weight: float, max_
     lo, hi = 0.0, float(total_area) + weight * max(caps)
     for _ in range(100):
         mid = (lo + hi) / 2
-        if mid in (lo, hi):  # adjacent floats: no later step changes either end
-            break
         lo, hi = (mid, hi) if sum(k * fill(mid, c) for c, k in counts.items()) < total_area else (lo, mid)
     return [fill(hi, c) for c in caps]
 
@@ -756,10 +746,9 @@ def sequence_aware_table(doc_lengths: Sequence[int], *, ring_size: int, ulysses_
     _check_size("tokens_per_rank", tokens_per_rank, 0)
     if cost_model is not None and not isinstance(cost_model, CostModel):
         raise ValueError(f"cost_model must be a CostModel or None, got {type(cost_model).__name__}")
-    if not all(type(n) is int for n in doc_lengths) or min(doc_lengths, default=0) < 0:  # else name the first
-        for i, n in enumerate(doc_lengths):
-            if not isinstance(n, int) or isinstance(n, bool) or n < 0:
-                raise ValueError(f"doc_lengths[{i}]={n!r} must be an int >= 0")
+    for i, n in enumerate(doc_lengths):
+        if not isinstance(n, int) or isinstance(n, bool) or n < 0:
+            raise ValueError(f"doc_lengths[{i}]={n!r} must be an int >= 0")
     total = sum(doc_lengths)
     member_tokens = ulysses_size * tokens_per_rank
     if total > ring_size * member_tokens:
@@ -768,7 +757,7 @@ def sequence_aware_table(doc_lengths: Sequence[int], *, ring_size: int, ulysses_
                          f"{-(-total // (ring_size * ulysses_size))}")
     weight = (cost_model or CostModel()).linear_weight
     caps = [min(member_tokens, max(0, total - m * member_tokens)) for m in range(ring_size)]
-    docs = [_Item.whole(d, n) for d, n in enumerate(doc_lengths) if n > 0]
+    docs = [_Item(d, ((0, n),)) for d, n in enumerate(doc_lengths) if n > 0]
     targets = _attention_targets(caps, sum(it.area for it in docs), weight, max(doc_lengths, default=0))
     nodes = [list(range(m, min(m + ring_members_per_node, ring_size)))
              for m in range(0, ring_size, ring_members_per_node)]
