@@ -143,9 +143,6 @@ class _Item:
 def _areas_before(items: Sequence[_Item], which: np.ndarray, taus: np.ndarray) -> np.ndarray:
     """``items[which[i]].area_before(taus[i])`` for every i at once (float64: exact below 2**53): the items'
     ranges in one table keyed by (item, stream offset), one search for all queries."""
-    if all(len(it.ranges) == 1 for it in items):  # whole documents and one-piece items: causal_area at once
-        starts = np.array([it.ranges[0][0] for it in items], dtype=np.float64)[which]
-        return taus * (2 * starts + taus + 1) / 2
     owner, offsets, starts, prefix = [], [], [], []
     for k, it in enumerate(items):
         offset, area = 0, 0
