@@ -108,6 +108,15 @@ class _Item:
         # (density, doc) tuples sort ~2.5x slower.
         self.key = (-self.area * (1 << 20) // self.length if self.length else 0) * (1 << 32) + doc
 
+    @classmethod
+    def whole(cls, doc: int, length: int) -> "_Item":
+        """Document ``doc`` whole (``length > 0``), as ``_Item(doc, ((0, length),))``: a batch's hundreds of
+        documents are built before every plan, so without the general path."""
+        it = cls.__new__(cls)
+        it.doc, it.ranges, it.length, it.area, it._offsets = doc, ((0, length),), length, length * (length + 1) // 2, None
+        it.key = (-(length + 1) * (1 << 19)) * (1 << 32) + doc  # -area * 2**20 // length, exactly
+        return it
+
     def area_before(self, offset: int) -> int:
         """Causal area of the first ``offset`` tokens of the stream."""
         if self._offsets is None:
@@ -170,8 +179,8 @@ class _Pool:
 
     def __init__(self, items: List[_Item]) -> None:
         self.items = items
-        self.tokens = list(accumulate(map(_length_of, items), initial=0))
-        self.areas = list(accumulate(map(_area_of, items), initial=0))
+        self.tokens = list(accumulate([it.length for it in items], initial=0))
+        self.areas = list(accumulate([it.area for it in items], initial=0))
 
     def size(self, i: int) -> int:
         return self.tokens[-1] - self.tokens[i]
@@ -207,6 +216,8 @@ def _attention_targets(caps: Sequence[int], total_area: int, weight: float, max_
     lo, hi = 0.0, float(total_area) + weight * max(caps)
     for _ in range(100):
         mid = (lo + hi) / 2
+        if mid in (lo, hi):  # adjacent floats: f(lo) < total_area <= f(hi) already, no later step moves either
+            break
         lo, hi = (mid, hi) if sum(k * fill(mid, c) for c, k in counts.items()) < total_area else (lo, mid)
     return [fill(hi, c) for c in caps]
 
@@ -507,11 +518,14 @@ def _least_end(length: np.ndarray, area: np.ndarray) -> np.ndarray:
 
 
 @functools.lru_cache(maxsize=None)
-def _subset_masks(n: int) -> np.ndarray:
-    """``[2**n, n]`` 0/1: row m holds the bits of m (item k in subset m); read-only, shared by every call."""
-    masks = (np.arange(1 << n)[:, None] >> np.arange(n)) & 1
+def _subset_masks(n: int) -> Tuple[np.ndarray, np.ndarray]:
+    """``[2**n, n]`` float64 0/1 (row m holds the bits of m: item k in subset m) and its bool complement;
+    read-only, shared by every call."""
+    masks = ((np.arange(1 << n)[:, None] >> np.arange(n)) & 1).astype(np.float64)
+    outside = masks == 0
     masks.setflags(write=False)
-    return masks
+    outside.setflags(write=False)
+    return masks, outside
 
 
 def _exhaustive_bisection(items: List[_Item], rooms: Tuple[int, int], targets: Tuple[float, float],
@@ -528,24 +542,22 @@ def _exhaustive_bisection(items: List[_Item], rooms: Tuple[int, int], targets: T
     bound on their rows (``_least_end``, exact for a whole document; at most ``_VISITS``), stopping at the best."""
     items = sorted(items, key=_doc_of)  # ties between subsets go to the same one whatever the items' order
     n = len(items)
-    masks = _subset_masks(n)
-    tokens, areas = np.zeros(1, dtype=np.int64), np.zeros(1)
-    for it in items:  # subset m's sums, m's bit k meaning item k: the subsets without item k, then with it
-        tokens, areas = np.concatenate([tokens, tokens + it.length]), np.concatenate([areas, areas + it.area])
+    masks, outside = _subset_masks(n)
+    # Subset sums as one product (integers below 2**53: exact in float64 whatever the order of the sums).
+    tokens, areas = (masks @ np.array([(it.length, it.area) for it in items], dtype=np.float64).reshape(n, 2)).T
     error = np.abs(areas - targets[0])
     exact = np.flatnonzero((tokens == rooms[0]) & (error <= slack))
     if len(exact):
         chosen = masks[exact[np.argmin(error[exact])]]
         return [[it for it, b in zip(items, chosen) if b == side] for side in (1, 0)]
     room = rooms[0] - tokens
+    lengths = tokens[1 << np.arange(n)]  # the one-item subsets
     # (item, subset) pairs where the item, not in the subset, would fill the room by a cut: one 2-D test,
     # grouped by item (each item's subsets increasing).
-    cuts, pairs = np.nonzero(((masks == 0) & (room[:, None] > 0)
-                              & (room[:, None] < np.array([it.length for it in items])[None, :])).T)
+    cuts, pairs = np.nonzero((outside & (room[:, None] > 0) & (room[:, None] < lengths)).T)
     if not len(cuts):
         return None
-    cut_length = np.array([it.length for it in items], dtype=np.float64)[cuts]
-    cut_area = np.array([float(it.area) for it in items])[cuts]
+    cut_length, cut_area = lengths[cuts], areas[1 << cuts]
     tau, missing = room[pairs], targets[0] - areas[pairs]
     # The areas of the cut item's [0, tau) and [0, L - tau): the least and (by their complement) the most
     # area its tau tokens can carry.
@@ -754,7 +766,7 @@ def sequence_aware_table(doc_lengths: Sequence[int], *, ring_size: int, ulysses_
                          f"{-(-total // (ring_size * ulysses_size))}")
     weight = (cost_model or CostModel()).linear_weight
     caps = [min(member_tokens, max(0, total - m * member_tokens)) for m in range(ring_size)]
-    docs = [_Item(d, ((0, n),)) for d, n in enumerate(doc_lengths) if n > 0]
+    docs = [_Item.whole(d, n) for d, n in enumerate(doc_lengths) if n > 0]
     targets = _attention_targets(caps, sum(it.area for it in docs), weight, max(doc_lengths, default=0))
     nodes = [list(range(m, min(m + ring_members_per_node, ring_size)))
              for m in range(0, ring_size, ring_members_per_node)]
@@ -762,5 +774,5 @@ def sequence_aware_table(doc_lengths: Sequence[int], *, ring_size: int, ulysses_
     # Each member's stream: its documents in index order (one item each), each item's ranges in order.
     rows = [(m, it.doc, s, e) for m, items in enumerate(members) for it in sorted(items, key=_doc_of)
             for s, e in it.ranges]
-    member, doc, start, end = np.array(rows, dtype=np.int64).reshape(-1, 4).T
+    member, doc, start, end = np.fromiter(chain.from_iterable(rows), np.int64, 4 * len(rows)).reshape(-1, 4).T
     return split_streams(member, doc, start, end, ulysses_size, tokens_per_rank)
