@@ -562,6 +562,15 @@ def test_a_bisection_error_is_shared_by_the_bins_below_it() -> None:
     assert stats.flops_imbalance <= 1.01, stats.flops_imbalance
 
 
+def test_whole_document_items_match_the_general_path() -> None:
+    # `_Item.whole` skips the general constructor for the batch's documents; every field, the density sort key
+    # above all, must be what the general path computes.
+    for doc, length in [(0, 1), (1, 2), (7, 3), (2, 1000), (5, 131072), (9, 999_983), (3, 1 << 20)]:
+        fast, general = placement_module._Item.whole(doc, length), placement_module._Item(doc, ((0, length),))
+        assert [getattr(fast, f) for f in placement_module._Item.__slots__ if f != "_areas"] == \
+            [getattr(general, f) for f in placement_module._Item.__slots__ if f != "_areas"]
+
+
 def test_few_items_between_nodes_are_split_by_trying_every_subset(monkeypatch) -> None:
     # Every result fills both sides exactly, within the slack of the targets, with at most one cut; over many
     # random bisections it moves fewer rows than the greedy one (which cuts again when a cut left a side at
