@@ -493,21 +493,22 @@ def _exchange(inside: List[int], outside: List[int], lengths: List[int], taken: 
             taken[m] = False
         return 0
 
-    for u in outside:
-        t = by_length.get(lengths[u] - gap)
+    out_lengths = [lengths[u] - gap for u in outside]  # what the taken items given back must hold
+    for u, need in zip(outside, out_lengths):
+        t = by_length.get(need)
         if t:
             return swap([u], [t[0]])
     for x, u1 in enumerate(outside):
-        for u2 in outside[x + 1:]:
-            t = by_length.get(lengths[u1] + lengths[u2] - gap)
+        need = out_lengths[x]
+        for y in range(x + 1, len(outside)):
+            t = by_length.get(need + lengths[outside[y]])
             if t:
-                return swap([u1, u2], [t[0]])
-    for u in outside:
+                return swap([u1, outside[y]], [t[0]])
+    for u, need in zip(outside, out_lengths):
         for t1 in inside:
-            rest = lengths[u] - gap - lengths[t1]
-            t2 = next((m for m in by_length.get(rest, []) if m != t1), None)
-            if t2 is not None:
-                return swap([u], [t1, t2])
+            t = by_length.get(need - lengths[t1])
+            if t and (t[0] != t1 or len(t) > 1):
+                return swap([u], [t1, t[0] if t[0] != t1 else t[1]])
     return gap
 
 
