@@ -216,7 +216,7 @@ def _attention_targets(caps: Sequence[int], total_area: int, weight: float, max_
     lo, hi = 0.0, float(total_area) + weight * max(caps)
     for _ in range(100):
         mid = (lo + hi) / 2
-        if mid in (lo, hi):  # adjacent floats: f(lo) < total_area <= f(hi) already, no later step moves either
+        if mid in (lo, hi):  # adjacent floats: every later step keeps hi (the result); at most lo moves onto it
             break
         lo, hi = (mid, hi) if sum(k * fill(mid, c) for c, k in counts.items()) < total_area else (lo, mid)
     return [fill(hi, c) for c in caps]
