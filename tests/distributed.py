@@ -20,8 +20,9 @@ Point-to-point tags are forced to 0 in every worker (``force_p2p_tags_to_zero``)
 matches the messages between two ranks in posting order, as NCCL always does, so a
 protocol that relies on tags fails here instead of hanging on GPUs.
 
-Workers are forked from a forkserver that has torch and Megatron-Core's
-parallel_state preloaded, which makes (re)starting a pool cheap. Set ``HSAP_TEST_FRESH_WORKERS=1`` to give every call
+Workers are forked from a forkserver that has torch and Megatron-Core preloaded
+(``tests.cli_runs.PRELOAD``, shared with the warm command-line runs), which makes
+(re)starting a pool cheap. Set ``HSAP_TEST_FRESH_WORKERS=1`` to give every call
 its own fresh pool, or call ``run_distributed_fresh`` for one call.
 """
 
@@ -39,14 +40,14 @@ import time
 import traceback
 from typing import Any, Callable, Dict, List
 
+from tests.cli_runs import forkserver_context
+
 #: Seconds the other ranks get to finish after the first rank failed.
 GRACE_SECONDS = 10.0
 #: Seconds a new pool may take to start and join its process group.
 STARTUP_TIMEOUT = 120.0
 #: Environment variable: "1" runs every call on a fresh, non-pooled set of workers.
 FRESH_ENV = "HSAP_TEST_FRESH_WORKERS"
-#: Imported once by the forkserver so forked workers start warm (megatron.core costs ~5 s per process).
-_PRELOAD = ["torch", "torch.distributed", "megatron.core.parallel_state"]
 
 
 def _free_port() -> int:
@@ -138,8 +139,7 @@ class _Pool:
 
     def __init__(self, world_size: int) -> None:
         self.world_size = world_size
-        ctx = multiprocessing.get_context("forkserver")
-        ctx.set_forkserver_preload(_PRELOAD)
+        ctx = forkserver_context()
         port = _free_port()
         self.procs: List[multiprocessing.process.BaseProcess] = []
         self.conns: List[multiprocessing.connection.Connection] = []

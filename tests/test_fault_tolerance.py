@@ -73,7 +73,7 @@ def test_killed_rank_stops_every_rank_within_the_bound(cache_dir):
     result = _run(TINY + ["--context-parallel-size", "4", "--context-parallel-mode", "hybrid", "--ranks-per-node", "2",
                           "--train-iters", "6", "--data-cache-path", cache_dir,
                           "--rank-failure-grace-seconds", str(GRACE_SECONDS)], 4, timeout=300,
-                  env={"HSAP_TEST_FAULT": "kill@2:3", marker: "1"})
+                  env={"HSAP_TEST_FAULT": "kill@2:3", marker: "1"}, fresh=True)  # the marker is in /proc/*/environ
     wall = time.monotonic() - t0
     assert result.returncode == 128 + 9, result.stderr[-3000:]  # the launcher reports the killed rank's status
     assert re.search(r"rank 2 \(pid \d+\) was killed by SIGKILL during iteration 3 \(forward-backward\)",

@@ -1,10 +1,10 @@
 """End-to-end tests of ``pretrain_gpt_hsap.py``: loss/grad-norm equivalence with CP=1, checkpoints, bad input.
 
-Every run is the real command line in a subprocess (ranks forked by ``--nproc``,
-gloo), on the embedded packed corpus (stdlib sources, documents split at EOD),
-a tiny GPT (2 layers, hidden 64, 8 heads, seq 256), 2 micro-batches per
-iteration and ``--layout-independent-init`` so every parallel layout starts from
-the same weights.
+Every run is the real command line (ranks forked by ``--nproc``, gloo), started from a
+warm forkserver without the interpreter's ~6 s of imports (``tests/cli_runs.py``), on
+the embedded packed corpus (stdlib sources, documents split at EOD), a tiny GPT
+(2 layers, hidden 64, 8 heads, seq 256), 2 micro-batches per iteration and
+``--layout-independent-init`` so every parallel layout starts from the same weights.
 
 Tolerance: per-iteration loss and grad norm equal the single-rank CP=1 run within
 ``rtol=1e-5`` (fp32 round-off: the distributed runs sum partial attention
@@ -18,11 +18,12 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 from types import SimpleNamespace
 from typing import Dict, List, Optional, Tuple
 
 import pytest
+
+from tests.cli_runs import run_fresh, run_warm
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "pretrain_gpt_hsap.py")
@@ -35,15 +36,17 @@ def cache_dir(tmp_path_factory) -> str:
     return str(tmp_path_factory.mktemp("hsap_cache"))
 
 
-def _run(flags: List[str], nproc: int, timeout: float = 420, env: Optional[Dict[str, str]] = None
-         ) -> subprocess.CompletedProcess:
+def _run(flags: List[str], nproc: int, timeout: float = 420, env: Optional[Dict[str, str]] = None,
+         fresh: bool = False) -> subprocess.CompletedProcess:
     """One CLI run (``env``: extra environment variables); a run that does not finish within ``timeout`` fails
-    the test (a hang is a bug)."""
+    the test (a hang is a bug). ``fresh``: in a new interpreter, else forked from the warm forkserver
+    (``tests/cli_runs.py``: the same command line without ~6 s of imports; ``HSAP_TEST_FRESH_CLI=1`` makes
+    every run fresh)."""
     full_env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", **(env or {}))
     full_env.pop("RANK", None)
     full_env.pop("WORLD_SIZE", None)
-    return subprocess.run([sys.executable, SCRIPT, "--nproc", str(nproc)] + flags, cwd=ROOT, env=full_env,
-                          capture_output=True, text=True, timeout=timeout)
+    run = run_fresh if fresh or os.environ.get("HSAP_TEST_FRESH_CLI") == "1" else run_warm
+    return run(SCRIPT, ["--nproc", str(nproc)] + flags, full_env, ROOT, timeout)
 
 
 def _run_logged(tmp_path, cache_dir: str, nproc: int, name: str, *flags: str) -> SimpleNamespace:
