@@ -11,8 +11,8 @@ fresh process.
 
 What a fork cannot reproduce stays on ``subprocess`` (``run_fresh``): output printed
 while importing (the demo test counts the console lines), the environment of
-``/proc/<pid>/environ`` (the fault tests find a run's processes by a variable there),
-signals sent from outside, and torchrun.
+``/proc/<pid>/environ`` (the rank-kill test finds a run's processes by a variable
+there), and torchrun.
 """
 
 from __future__ import annotations
