@@ -65,6 +65,9 @@ def run_warm(script: str, argv: List[str], env: Dict[str, str], cwd: str, timeou
 
 
 def _read(path: str) -> str:
+    """The captured stream ('' when the forked process died before it opened it)."""
+    if not os.path.exists(path):
+        return ""
     with open(path, errors="replace") as f:
         return f.read()
 
