@@ -56,10 +56,14 @@ def run_warm(script: str, argv: List[str], env: Dict[str, str], cwd: str, timeou
         proc = forkserver_context().Process(target=_script_main, args=(script, argv, env, cwd, out, err),
                                             name="hsap-test-cli")
         proc.start()
-        proc.join(timeout)
-        if proc.exitcode is None:
-            proc.kill()
-            proc.join()
+        try:
+            proc.join(timeout)
+        finally:  # also when interrupted (Ctrl-C, pytest-timeout): the run is a child of the forkserver, not ours
+            timed_out = proc.exitcode is None
+            if timed_out:
+                proc.kill()
+                proc.join()
+        if timed_out:
             raise subprocess.TimeoutExpired([script] + argv, timeout, _read(out), _read(err))
         return subprocess.CompletedProcess([script] + argv, proc.exitcode, _read(out), _read(err))
 

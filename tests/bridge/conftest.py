@@ -2,7 +2,8 @@
 .venv-bridge); the main suite's environment skips this directory without importing anything from it.
 
 Workers of tests/distributed.py are forked from a forkserver; adding ``tests.bridge.bridge_cases`` to
-its preload list (``tests.cli_runs.PRELOAD``) imports Bridge (~1 min on a busy 2-core machine) once instead of once per rank.
+its preload list (``tests.cli_runs.PRELOAD``) imports Bridge (~1 min on a busy 2-core machine) once
+instead of once per rank.
 """
 
 import importlib.util
