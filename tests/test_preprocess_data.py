@@ -12,6 +12,8 @@ import sys
 
 import pytest
 
+from tests.test_training_pretrain import _run
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOOL = os.path.join(ROOT, "tools", "preprocess_data.py")
 
@@ -90,12 +92,10 @@ def test_preprocessed_data_trains(tmp_path):
     src.write_text("".join(json.dumps({"text": f"document {i}: " + "abc " * (i % 50)}) + "\n" for i in range(200)))
     assert _preprocess("--input", str(src), "--output-prefix", str(tmp_path / "c"), "--append-eod").returncode == 0
     log = tmp_path / "log.jsonl"
-    result = subprocess.run(
-        [sys.executable, os.path.join(ROOT, "pretrain_gpt_hsap.py"), "--nproc", "2", "--context-parallel-size", "2",
-         "--data-path", str(tmp_path / "c_text_document"), "--split", "100,0,0", "--reset-attention-mask",
-         "--eod-mask-loss", "--train-iters", "3", "--lr-warmup-iters", "1", "--data-cache-path", str(tmp_path),
-         "--log-json", str(log), "--no-progress-bar"],
-        cwd=ROOT, capture_output=True, text=True, timeout=300, env=dict(os.environ, PYTHONWARNINGS="ignore"))
+    result = _run(["--context-parallel-size", "2", "--data-path", str(tmp_path / "c_text_document"), "--split",
+                   "100,0,0", "--reset-attention-mask", "--eod-mask-loss", "--train-iters", "3", "--lr-warmup-iters",
+                   "1", "--data-cache-path", str(tmp_path), "--log-json", str(log), "--no-progress-bar"], 2,
+                  timeout=300)
     assert result.returncode == 0, result.stderr[-4000:]
     records = [json.loads(line) for line in log.read_text().splitlines()]
     assert [r["iteration"] for r in records] == [1, 2, 3]
