@@ -23,14 +23,14 @@ import os
 import subprocess
 import sys
 import tempfile
-import traceback
 import warnings
 from typing import Dict, List
 
-#: Imported once by the forkserver (torch and Megatron-Core cost ~5 s per process, the training loop and
-#: Megatron-Core's tokenizer libraries ~2 s more), shared by the gloo worker pools and the warm CLI runs.
-PRELOAD = ["torch", "torch.distributed", "megatron.core.parallel_state", "megatron.core.tokenizers.text.models",
-           "megatron_hsap.training.loop"]
+from megatron_hsap.training.launch import RANK_IMPORTS
+
+#: Imported once by the forkserver (torch and Megatron-Core cost ~5 s per process, what the launcher imports for
+#: its ranks ~2 s more), shared by the gloo worker pools and the warm CLI runs.
+PRELOAD = ["torch", "torch.distributed", "megatron.core.parallel_state", *RANK_IMPORTS]
 
 
 def forkserver_context() -> multiprocessing.context.BaseContext:
@@ -90,17 +90,9 @@ def _script_main(script: str, argv: List[str], env: Dict[str, str], cwd: str, ou
     if "PYTHONWARNINGS" in env:  # what the interpreter would have read at startup
         warnings.simplefilter("ignore")
     sys.argv = [script] + argv
-    status = 1
-    try:
-        spec = importlib.util.spec_from_file_location("_hsap_cli_script", script)
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)  # its ``if __name__ == "__main__"`` block does not run
-        status = module.main()
-    except SystemExit:  # argparse errors: multiprocessing reports the code as the interpreter would
-        raise
-    except BaseException:  # noqa: BLE001 - an uncaught error: traceback and status 1, as the interpreter
-        traceback.print_exc()
-    finally:
-        sys.stdout.flush()
-        sys.stderr.flush()
-    sys.exit(status)
+    spec = importlib.util.spec_from_file_location("_hsap_cli_script", script)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)  # its ``if __name__ == "__main__"`` block does not run
+    # As the interpreter: multiprocessing exits with a SystemExit's code (argparse's 2), prints an uncaught
+    # error's traceback with status 1, and flushes stdout and stderr.
+    sys.exit(module.main())

@@ -37,8 +37,12 @@ from megatron_hsap.training import progress
 from megatron_hsap.training.quiet import quiet_rank
 
 __all__ = ["die_with_parent", "freeze_imported_objects", "launched_by_torchrun", "spawn_local_ranks",
-           "FORWARDED_SIGNALS"]
+           "FORWARDED_SIGNALS", "RANK_IMPORTS"]
 
+#: Imported by the launcher before it forks, once instead of once per rank: the training loop (Megatron-Core's
+#: models and optimizer with it) and Megatron-Core's text tokenizer classes, whose libraries (transformers among
+#: them) take ~1.4 s.
+RANK_IMPORTS = ("megatron.core.tokenizers.text.models", "megatron_hsap.training.loop")
 #: Signals the launcher passes on to every rank.
 FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2, signal.SIGINT, signal.SIGHUP)
 #: After the first failures are seen, how long to wait for a signal death that explains them.
@@ -118,10 +122,7 @@ def spawn_local_ranks(nproc: int, main: Callable[[argparse.Namespace], int], arg
 
     grace_seconds: after the first rank fails, how long the others may take to exit on their own.
     """
-    # Warm the forked ranks' imports, once here instead of once per rank: the training loop (Megatron-Core's
-    # models and optimizer with it) and Megatron-Core's text tokenizer classes, whose libraries (transformers
-    # among them) take ~1.4 s.
-    for module in ("megatron.core.tokenizers.text.models", "megatron_hsap.training.loop"):
+    for module in RANK_IMPORTS:
         importlib.import_module(module)
 
     freeze_imported_objects()
