@@ -78,3 +78,23 @@ def test_pure_ring_moves_less_than_zigzag(report) -> None:
     assert seq.inter_mib < zigzag.inter_mib and seq.padding == 0 and zigzag.padding == 0
     # Four ring members per node: forwarding sends a row needed by several of them across once.
     assert seq.forwarded_mib <= seq.inter_mib and zigzag.forwarded_mib < zigzag.inter_mib
+
+
+def test_plan_times_take_each_batchs_fastest_round(report, monkeypatch) -> None:
+    """``--repeats`` plans every batch once per round and keeps each batch's least time: with a clock that
+    charges round r (0-based) r + 1 ms for batch 0 and 3 - r ms for batch 1, batch 0's least is its first
+    round and batch 1's its last -- three rounds, six cold plans, in round order."""
+    charges = iter([1.0, 3.0, 2.0, 2.0, 3.0, 1.0])
+    clock = {"now": 0.0}
+    planned = []
+
+    def fake_plan(cu, topo, layout, cost_model):
+        planned.append(int(cu[-1]))
+        clock["now"] += next(charges) / 1e3
+
+    monkeypatch.setattr(report, "plan_batch", fake_plan)
+    monkeypatch.setattr(report.time, "process_time", lambda: clock["now"])
+    times = report.plan_times([[5, 5], [7]], report.topology("2x8", "hybrid"), "sequence-aware",
+                              report.CostModel(), repeats=3)
+    assert planned == [10, 7, 10, 7, 10, 7]
+    assert times == pytest.approx([1.0, 1.0])
