@@ -121,7 +121,7 @@ def plan_times(all_lengths: Sequence[List[int]], topo: CPTopology, placement: st
     """CPU milliseconds of a cold ``plan_batch`` per batch: the least over ``repeats`` rounds that each plan every
     batch once. A plan is deterministic, so the other rounds only see the machine's load; spread over the whole
     measurement, a batch's runs do not all fall into one slow stretch of a shared machine (back to back, the same
-    planner's p99 on the bucket pure ring 4 x 4 read 9.5-14.1 ms in four runs, interleaved 8.1-8.4 ms in three)."""
+    planner's p99 on the bucket pure ring 4 x 4 read 9.5-14.1 ms in four runs, in rounds 8.1-9.0 ms in six)."""
     cus = [cu_seqlens_from_lengths(lengths) for lengths in all_lengths]
     best = [float("inf")] * len(cus)
     for _ in range(repeats):
