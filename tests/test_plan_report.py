@@ -91,10 +91,14 @@ def test_plan_times_take_each_batchs_fastest_round(report, monkeypatch) -> None:
     def fake_plan(cu, topo, layout, cost_model):
         planned.append(int(cu[-1]))
         clock["now"] += next(charges) / 1e3
+        return ("plan", len(planned))
 
     monkeypatch.setattr(report, "plan_batch", fake_plan)
     monkeypatch.setattr(report.time, "process_time", lambda: clock["now"])
-    times = report.plan_times([[5, 5], [7]], report.topology("2x8", "hybrid"), "sequence-aware",
-                              report.CostModel(), repeats=3)
+    plans, times = report.plan_times([[5, 5], [7]], report.topology("2x8", "hybrid"), "sequence-aware",
+                                     report.CostModel(), repeats=3)
     assert planned == [10, 7, 10, 7, 10, 7]
     assert times == pytest.approx([1.0, 1.0])
+    assert plans == [("plan", 5), ("plan", 6)]  # the last round's, which the report's stats read
+    with pytest.raises(ValueError, match="repeats=0 must be >= 1"):
+        report.plan_times([[5, 5]], report.topology("2x8", "hybrid"), "sequence-aware", report.CostModel(), 0)

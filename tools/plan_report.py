@@ -107,31 +107,34 @@ def _percentile(values: Sequence[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
 
 
-def measure(lengths: List[int], topo: CPTopology, placement: str, model: CostModel) -> Tuple[BatchPlan, dict]:
-    """Plan one batch and summarise ``BatchPlan.stats``."""
-    plan = plan_batch(cu_seqlens_from_lengths(lengths), topo, layout=placement, cost_model=model)
+def summarise(plan: BatchPlan, model: CostModel) -> dict:
+    """What the report reads from one plan's ``BatchPlan.stats``."""
     stats = plan.stats(model.num_heads_q, model.num_heads_kv, model.head_dim, DTYPE)
-    return plan, dict(attn=stats.flops_imbalance, tokens=_imbalance(stats.tokens),
-                      inter=sum(stats.send_bytes_inter), forwarded=sum(stats.recv_bytes_inter_forwarded),
-                      padding=sum(stats.padding_tokens))
+    return dict(attn=stats.flops_imbalance, tokens=_imbalance(stats.tokens), inter=sum(stats.send_bytes_inter),
+                forwarded=sum(stats.recv_bytes_inter_forwarded), padding=sum(stats.padding_tokens))
 
 
 def plan_times(all_lengths: Sequence[List[int]], topo: CPTopology, placement: str, model: CostModel,
-               repeats: int = 1) -> List[float]:
-    """CPU milliseconds of a cold ``plan_batch`` per batch: the least over ``repeats`` rounds that each plan every
-    batch once. A plan is deterministic, so the other rounds only see the machine's load; spread over the whole
-    measurement, a batch's runs do not all fall into one slow stretch of a shared machine (back to back, the same
-    planner's p99 on the bucket pure ring 4 x 4 read 9.5-14.1 ms in four runs, in rounds 8.1-9.0 ms in six)."""
+               repeats: int = 1) -> Tuple[List[BatchPlan], List[float]]:
+    """Every batch's plan (from the last round) and CPU milliseconds of a cold ``plan_batch`` per batch: the least
+    over ``repeats`` rounds that each plan every batch once. A plan is deterministic, so the other rounds only see
+    the machine's load; spread over the whole measurement, a batch's runs do not all fall into one slow stretch of
+    a shared machine (back to back, the same planner's p99 on the bucket pure ring 4 x 4 read 9.5-14.1 ms in four
+    runs, in rounds 8.1-9.0 ms in six)."""
+    if repeats < 1:
+        raise ValueError(f"repeats={repeats!r} must be >= 1")
     cus = [cu_seqlens_from_lengths(lengths) for lengths in all_lengths]
+    plans: List[BatchPlan] = []
     best = [float("inf")] * len(cus)
     for _ in range(repeats):
+        plans = []
         for i, cu in enumerate(cus):
             PLAN_CACHE.clear()
             # CPU time of this process: on a shared machine wall time mostly measures the other processes.
             start = time.process_time()
-            plan_batch(cu, topo, layout=placement, cost_model=model)
+            plans.append(plan_batch(cu, topo, layout=placement, cost_model=model))
             best[i] = min(best[i], (time.process_time() - start) * 1e3)
-    return best
+    return plans, best
 
 
 def lower_bound_bytes(lengths: Sequence[int], topo: CPTopology, model: CostModel) -> int:
@@ -155,8 +158,10 @@ def run(mixes: Sequence[str], sizes: Sequence[str], layouts: Sequence[str], mode
                 for mode in modes:
                     topo = topology(layout, mode)
                     bounds = [lower_bound_bytes(lengths, topo, model) for lengths in all_lengths]
-                    per = {p: [measure(lengths, topo, p, model)[1] for lengths in all_lengths] for p in PLACEMENTS}
-                    times = {p: plan_times(all_lengths, topo, p, model, repeats) for p in PLACEMENTS}
+                    per, times = {}, {}
+                    for p in PLACEMENTS:
+                        plans, times[p] = plan_times(all_lengths, topo, p, model, repeats)
+                        per[p] = [summarise(plan, model) for plan in plans]
                     zigzag_inter = sum(m["inter"] for m in per["zigzag"])
                     zigzag_forwarded = sum(m["forwarded"] for m in per["zigzag"])
                     for placement, ms in per.items():
@@ -231,7 +236,8 @@ def draw(path: str, lengths: List[int], layout: str, mode: str, model: CostModel
     colours = {d: plt.cm.tab20(i % 20) for i, d in enumerate(long_docs)}
     fig, axes = plt.subplots(2, len(PLACEMENTS), figsize=(6 * len(PLACEMENTS), 10))
     for col, placement in enumerate(PLACEMENTS):
-        plan, summary = measure(lengths, topo, placement, model)
+        plan = plan_batch(cu_seqlens_from_lengths(lengths), topo, layout=placement, cost_model=model)
+        summary = summarise(plan, model)
         ax = axes[0][col]
         for rank, segments in enumerate(plan.rank_segments):
             spans, faces, left = [], [], 0
