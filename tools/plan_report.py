@@ -17,10 +17,14 @@ member); fwd MiB = the same with node-level K/V forwarding (a row once per recei
 (``inter_node_rows_lower_bound`` at perfect balance and plan_batch's node token capacity), median over
 batches with a nonzero bound ("0" when the bound is 0 and nothing moves); vs zigzag = inter-node bytes
 summed over the batches / zigzag's (both without forwarding); LB vs zigzag = the lower bound summed over the
-batches / zigzag's forwarded bytes (no balanced placement moves less than the bound; in hybrid layouts, where
-forwarding changes nothing, a bound above 20 % of zigzag makes that target unreachable); pad = padding tokens
+batches / zigzag's forwarded bytes (no balanced placement moves less than the bound); pad = padding tokens
 (worst batch); plan ms p50 / p99 = CPU time of cold ``plan_batch`` (placement, checks, per-member pieces),
 per batch the least of ``--repeats`` rounds of cold runs over all batches (default 1).
+
+Each row's targets are checked below the table. The 0.20 x zigzag target is called unreachable (hybrid
+layouts, where forwarding changes nothing) when even the bound for a placement 2 % off balance with any token
+counts (capacity-free at imbalance 1.02, below the table's bound) is above 20 % of zigzag: no placement meeting
+the balance target can meet it.
 
     .venv/bin/python tools/plan_report.py                       # 3 mixes x 4 layouts, 1M tokens (~20 s)
     .venv/bin/python tools/plan_report.py --layouts 2x8 --modes ring hybrid u2 --batches 100   # big sweep
@@ -57,6 +61,8 @@ PLACEMENTS = ("sequence-aware", "zigzag", "contiguous")
 MIXES = ("buckets", "lognormal", "stdlib")
 DEFAULT_LAYOUTS = ("2x8", "4x8", "4x4", "8x8")
 MIB = float(1 << 20)
+# The issue's worst attention imbalance and traffic against zigzag (summed over the batches).
+ATTENTION_TARGET, ZIGZAG_TARGET = 1.02, 0.20
 DTYPE = torch.bfloat16
 
 
@@ -76,6 +82,7 @@ class Row:
     vs_bound: Optional[float]
     vs_zigzag: Optional[float]
     bound_vs_zigzag: Optional[float]
+    floor_vs_zigzag: Optional[float]
     padding: int
     plan_p50: float
     plan_p99: float
@@ -137,14 +144,16 @@ def plan_times(all_lengths: Sequence[List[int]], topo: CPTopology, placement: st
     return plans, best
 
 
-def lower_bound_bytes(lengths: Sequence[int], topo: CPTopology, model: CostModel) -> int:
-    """Lower bound on one layer's inter-node key/value bytes of a perfectly balanced placement whose nodes hold
-    at most ``plan_batch``'s token capacity (see ``inter_node_rows_lower_bound``)."""
+def lower_bound_bytes(lengths: Sequence[int], topo: CPTopology, model: CostModel, imbalance: float = 1.0,
+                      capacity: bool = True) -> int:
+    """Lower bound on one layer's inter-node key/value bytes of a placement whose nodes hold at most ``imbalance``
+    times the mean attention area and (``capacity``) at most ``plan_batch``'s token capacity; with
+    ``capacity=False`` any token counts (see ``inter_node_rows_lower_bound``)."""
     kv_heads = validate_head_counts(model.num_heads_q, model.num_heads_kv, topo.ulysses_size)
     row_bytes = 2 * kv_heads * model.head_dim * torch.empty((), dtype=DTYPE).element_size()
     nodes = len(set(topo.node_of_cp_rank))
-    node_tokens = -(-sum(lengths) // topo.cp_size) * (topo.cp_size // nodes)
-    return inter_node_rows_lower_bound(lengths, nodes, node_tokens=node_tokens) * row_bytes
+    node_tokens = -(-sum(lengths) // topo.cp_size) * (topo.cp_size // nodes) if capacity else None
+    return inter_node_rows_lower_bound(lengths, nodes, imbalance, node_tokens) * row_bytes
 
 
 def run(mixes: Sequence[str], sizes: Sequence[str], layouts: Sequence[str], modes: Sequence[str],
@@ -158,6 +167,9 @@ def run(mixes: Sequence[str], sizes: Sequence[str], layouts: Sequence[str], mode
                 for mode in modes:
                     topo = topology(layout, mode)
                     bounds = [lower_bound_bytes(lengths, topo, model) for lengths in all_lengths]
+                    # What no placement meeting the balance target can beat, whatever its token counts.
+                    floor = sum(lower_bound_bytes(lengths, topo, model, ATTENTION_TARGET, capacity=False)
+                                for lengths in all_lengths)
                     per, times = {}, {}
                     for p in PLACEMENTS:
                         plans, times[p] = plan_times(all_lengths, topo, p, model, repeats)
@@ -176,6 +188,7 @@ def run(mixes: Sequence[str], sizes: Sequence[str], layouts: Sequence[str], mode
                                   statistics.mean(forwarded) / MIB, vs_bound,
                                   sum(inter) / zigzag_inter if zigzag_inter else None,
                                   sum(bounds) / zigzag_forwarded if zigzag_forwarded else None,
+                                  floor / zigzag_forwarded if zigzag_forwarded else None,
                                   max(m["padding"] for m in ms), _percentile(times[placement], 0.5),
                                   _percentile(times[placement], 0.99))
 
@@ -197,9 +210,10 @@ def format_table(rows: Sequence[Row]) -> str:
 
 def _zigzag_target(r: Row) -> str:
     """The traffic-vs-zigzag target's name, saying when no balanced placement can meet it."""
-    if r.mode == "hybrid" and r.bound_vs_zigzag is not None and r.bound_vs_zigzag > 0.20:
-        return f"inter-node <= 0.20 x zigzag (unreachable: the lower bound is {100 * r.bound_vs_zigzag:.1f} %)"
-    return "inter-node <= 0.20 x zigzag"
+    if r.mode == "hybrid" and r.floor_vs_zigzag is not None and r.floor_vs_zigzag > ZIGZAG_TARGET:
+        return (f"inter-node <= {ZIGZAG_TARGET:.2f} x zigzag (unreachable: any placement within {ATTENTION_TARGET} "
+                f"attention imbalance moves >= {100 * r.floor_vs_zigzag:.1f} %)")
+    return f"inter-node <= {ZIGZAG_TARGET:.2f} x zigzag"
 
 
 def check_targets(rows: Sequence[Row]) -> List[str]:
@@ -209,13 +223,13 @@ def check_targets(rows: Sequence[Row]) -> List[str]:
         if r.placement == "contiguous":
             continue
         name = f"{r.mix} {r.size} {r.layout} {r.mode} {r.placement}"
-        checks = [("attention imbalance <= 1.02", r.attn_worst <= 1.02),
+        checks = [(f"attention imbalance <= {ATTENTION_TARGET}", r.attn_worst <= ATTENTION_TARGET),
                   ("token imbalance <= 1.05", r.token_worst <= 1.05),
                   ("zero padding", r.padding == 0),
                   ("planning p99 < 10 ms", r.plan_p99 < 10.0)]
         if r.placement == "sequence-aware":
             checks += [("inter-node <= 1.15 x lower bound", r.vs_bound is not None and r.vs_bound <= 1.15),
-                       (_zigzag_target(r), r.vs_zigzag is None or r.vs_zigzag <= 0.20)]
+                       (_zigzag_target(r), r.vs_zigzag is None or r.vs_zigzag <= ZIGZAG_TARGET)]
         failed = [c for c, ok in checks if not ok]
         lines.append(f"{name}: " + ("all targets PASS" if not failed else "FAIL " + "; ".join(failed)))
     return lines
