@@ -444,7 +444,7 @@ def _fewest_rows_by_brute_force(lengths: List[int], nodes: int, node_tokens: int
 
 def test_lower_bound_with_token_capacities_is_a_true_bound_by_brute_force() -> None:
     rng = random.Random(0)
-    tighter = 0
+    tighter = uncapped_cases = 0
     for _ in range(80):
         nodes = rng.choice([2, 2, 3])
         limit = 9 if nodes == 2 else 6
@@ -462,7 +462,13 @@ def test_lower_bound_with_token_capacities_is_a_true_bound_by_brute_force() -> N
         if best is not None:
             assert bound <= best, (lengths, nodes, node_tokens, imbalance)
             tighter += bound > free
+        # Capacity-free: a bound for any token counts (what plan_report's zigzag verdict reads).
+        uncapped = _fewest_rows_by_brute_force(lengths, nodes, sum(lengths), imbalance)
+        if uncapped is not None:
+            assert free <= uncapped, (lengths, nodes, imbalance)
+            uncapped_cases += 1
     assert tighter >= 5  # the capacities matter on some of these cases
+    assert uncapped_cases >= 40
     with pytest.raises(ValueError, match="node_tokens"):
         inter_node_rows_lower_bound([10, 10], 2, node_tokens=9)
 
