@@ -91,8 +91,15 @@ def _non_negative_float(text: str) -> float:
     return value
 
 
+class _Parser(argparse.ArgumentParser):
+    """Errors in two lines: the problem and where the flags are listed, not the whole usage text."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        self.exit(2, f"{self.prog}: error: {message}\n(`{self.prog} --help` lists every flag)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = _Parser(
         prog="pretrain_gpt_hsap.py", allow_abbrev=False,
         description="Train a Megatron-Core GPT with HSAP context parallelism. With no --data-path and no "
                     "--mock-data it trains on the Python standard library's sources (byte-level tokens).")
@@ -183,7 +190,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--decoupled-min-lr", type=float, default=None,
                    help="with --decoupled-lr: their minimum learning rate (default --min-lr)")
     g.add_argument("--lr-warmup-iters", type=_non_negative_int, default=None,
-                   help=f"default {DEFAULT_LR_WARMUP_ITERS} with --train-iters")
+                   help=f"default min({DEFAULT_LR_WARMUP_ITERS}, --train-iters / 10) with --train-iters")
     g.add_argument("--lr-warmup-samples", type=_non_negative_int, default=None, help="with --train-samples")
     g.add_argument("--lr-warmup-fraction", type=_non_negative_float, default=None,
                    help="warmup as a fraction of the decay length")
@@ -294,7 +301,7 @@ DEMO_FLAGS = ["--nproc", "8", "--ranks-per-node", "4", "--context-parallel-size"
               "--context-parallel-mode", "hsap", "--num-layers", "2", "--hidden-size", "64",
               "--num-attention-heads", "8", "--seq-length", "1024", "--micro-batch-size", "1",
               "--global-batch-size", "1", "--train-iters", "150", "--lr", "3e-3", "--min-lr", "3e-4",
-              "--lr-warmup-iters", "10", "--log-interval", "10", "--eval-iters", "10"]
+              "--log-interval", "10", "--eval-iters", "10"]
 
 
 def parse_args(argv: Optional[List[str]] = None, world_size: Optional[int] = None) -> argparse.Namespace:
@@ -332,7 +339,9 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
     _map_megatron_flags(args)
     if world_size % (tp * pp * cp) != 0:
         raise ValueError(f"world size {world_size} is not divisible by --tensor-model-parallel-size ({tp}) x "
-                         f"--pipeline-model-parallel-size ({pp}) x --context-parallel-size ({cp})")
+                         f"--pipeline-model-parallel-size ({pp}) x --context-parallel-size ({cp}); start a multiple "
+                         f"of {tp * pp * cp} processes: --nproc {tp * pp * cp} on CPU, or torchrun --nproc-per-node "
+                         f"on GPUs")
     args.world_size = world_size
     args.data_parallel_size = world_size // (tp * pp * cp)
     if args.num_query_groups is None:
@@ -532,7 +541,8 @@ def _resolve_training_length(args: argparse.Namespace) -> None:
             args.train_iters = DEFAULT_TRAIN_ITERS
         args.lr_decay_steps = (args.lr_decay_iters or args.train_iters) * gbs
         if args.lr_warmup_iters is None:
-            args.lr_warmup_iters = 0 if args.lr_warmup_fraction is not None else DEFAULT_LR_WARMUP_ITERS
+            args.lr_warmup_iters = (0 if args.lr_warmup_fraction is not None
+                                    else min(DEFAULT_LR_WARMUP_ITERS, args.train_iters // 10))
         if args.lr_warmup_iters >= args.train_iters:
             raise ValueError(f"--lr-warmup-iters ({args.lr_warmup_iters}) must be smaller than --train-iters "
                              f"({args.train_iters})")

@@ -354,7 +354,7 @@ def _train(args: argparse.Namespace, signals: Any, started: float) -> List[Itera
         log.record(record)
         if valid_dataset is not None and iteration % args.eval_interval == 0:
             _log_evaluation(evaluator, log, valid_dataset, "validation", iteration // args.eval_interval - 1,
-                            f"iteration {iteration}", iteration, args)
+                            f"iteration {iteration}", iteration, args, "periodic")
         reason = exit_reason(signals, started, args.exit_duration_in_mins, device) if check_exit else ""
         if args.exit_interval and iteration % args.exit_interval == 0:
             reason = reason or f"--exit-interval {args.exit_interval}"
@@ -371,10 +371,10 @@ def _train(args: argparse.Namespace, signals: Any, started: float) -> List[Itera
     else:  # training completed (no early exit): Megatron-LM's final validation and test evaluations
         if valid_dataset is not None:
             _log_evaluation(evaluator, log, valid_dataset, "validation", args.train_iters // args.eval_interval,
-                            f"iteration {iteration} on validation set", iteration, args)
+                            f"iteration {iteration} on validation set", iteration, args, "final")
         if test_dataset is not None:
             _log_evaluation(evaluator, log, test_dataset, "test", 0, f"iteration {iteration} on test set",
-                            iteration, args)
+                            iteration, args, "final")
     if records:
         log.info(f"done: lm loss {records[0].loss:.4f} (iteration {records[0].iteration}) -> "
                  f"{records[-1].loss:.4f} (iteration {records[-1].iteration})")
@@ -383,7 +383,11 @@ def _train(args: argparse.Namespace, signals: Any, started: float) -> List[Itera
 
 
 def _log_evaluation(evaluator: _Evaluator, log: IterationLogger, dataset: Any, split: str, index: int, prefix: str,
-                    iteration: int, args: argparse.Namespace) -> None:
+                    iteration: int, args: argparse.Namespace, kind: str) -> None:
+    """One evaluation, labelled with its kind (``periodic`` or ``final``) and the split's global batches it read,
+    so two evaluations at the same iteration never carry the same label."""
     progress.set_phase("evaluation", iteration)
     loss = evaluator.loss(dataset, index, f"{split} ")
-    log.evaluation(split, prefix, loss, iteration, iteration * args.global_batch_size)
+    first = index * args.eval_iters
+    log.evaluation(split, prefix, loss, iteration, iteration * args.global_batch_size,
+                   detail=f"{kind} evaluation of {split} batches {first}-{first + args.eval_iters - 1}")
