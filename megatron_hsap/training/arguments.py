@@ -172,6 +172,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a collective waiting this long for a peer fails (fractions allowed, e.g. 0.5)")
     g.add_argument("--nproc", type=_positive_int, default=None,
                    help="when started without torchrun: spawn this many local ranks (CPU/gloo)")
+    g.add_argument("--dry-run", type=_positive_int, default=None, metavar="WORLD_SIZE",
+                   help="check the flags for a job of WORLD_SIZE ranks (--ranks-per-node per node, default 8), print "
+                        "the resolved configuration and the predicted peak memory per GPU, and exit without "
+                        "starting any process (no GPU or cluster needed)")
+    g.add_argument("--print-args", action="store_true",
+                   help="rank 0 prints every argument at start-up in Megatron-LM's layout")
     g.add_argument("--rank-failure-grace-seconds", type=_non_negative_float, default=10.0,
                    help="with --nproc: after one rank fails, the others get this long to exit, then are killed")
 
@@ -317,7 +323,7 @@ def parse_args(argv: Optional[List[str]] = None, world_size: Optional[int] = Non
     if args.demo:
         parser.error("--demo must be the first flag (later flags override the preset)")
     if world_size is None:
-        world_size = int(os.environ.get("WORLD_SIZE", args.nproc or 1))
+        world_size = args.dry_run or int(os.environ.get("WORLD_SIZE", args.nproc or 1))
     try:
         if args.use_checkpoint_args:
             from megatron_hsap.training.checkpoint import load_args_from_checkpoint

@@ -40,6 +40,7 @@ from megatron_hsap.training.iteration_log import IterationLogger, IterationRecor
 from megatron_hsap.sequence.prefetch import plan_ahead
 from megatron_hsap.training.packing import PackedMicroBatch, document_cu_seqlens, pack_micro_batch
 from megatron_hsap.training.plan_workers import plan_in_workers
+from megatron_hsap.training.startup import configuration_lines
 
 __all__ = ["pretrain", "forward_packed"]
 
@@ -67,6 +68,16 @@ def _check_heads(args: argparse.Namespace, topology: Any) -> None:
         raise ValueError(f"--head-chunk-size with --num-attention-heads ({args.num_attention_heads}) / "
                          f"--tensor-model-parallel-size ({args.tensor_model_parallel_size}) and Ulysses size "
                          f"{topology.ulysses_size}: {err}") from None
+
+
+def _kernel_description(requested: str) -> str:
+    """The attention kernel this run uses and why (``auto``'s choice on this machine)."""
+    from megatron_hsap.kernels import get_kernel
+
+    if requested != "auto":
+        return f"{requested} (--attention-kernel)"
+    return (f"{get_kernel('auto').name} (--attention-kernel auto: the first available of "
+            f"{'te, flash, torch' if torch.cuda.is_available() else 'cpu_fused, torch'} on this machine)")
 
 
 def _planned_micro_batches(args: argparse.Namespace, dataset: Any, dp_rank: int, first: int, stop: Optional[int],
@@ -284,11 +295,9 @@ def _train(args: argparse.Namespace, signals: Any, started: float) -> List[Itera
                                         partial(_check_then_finalize, nan_check, finalize_model_grads))
     config.no_sync_func = [m.no_sync for m in model] if len(model) > 1 else model[0].no_sync
     layout = cp_config.resolved_layout
-    log.info(f"megatron-hsap: world {args.world_size} = TP {args.tensor_model_parallel_size} x PP "
-             f"{args.pipeline_model_parallel_size} x CP {args.context_parallel_size} x DP {args.data_parallel_size}; "
-             f"mode {cp_config.mode}, ulysses {topology.ulysses_size} x ring {topology.ring_size}, layout {layout}, "
-             f"nodes {topology.num_nodes}; {sum(p.numel() for m in model for p in m.parameters())} parameters "
-             f"on rank 0")
+    for line in configuration_lines(args, topology, cp_config, _kernel_description(cp_config.kernel)):
+        log.info(line)
+    log.info(f"megatron-hsap: model: {sum(p.numel() for m in model for p in m.parameters())} parameters on rank 0")
 
     device = next(model[0].parameters()).device
     dp_rank = mpu.get_data_parallel_rank()
