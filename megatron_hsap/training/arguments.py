@@ -248,6 +248,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--no-load-rng", action="store_true", help="do not restore the RNG states from --load")
     g.add_argument("--finetune", action="store_true",
                    help="load only the model weights and start at iteration 0 (no optimizer, RNG or scheduler)")
+    g.add_argument("--override-opt_param-scheduler", dest="override_opt_param_scheduler", action="store_true",
+                   help="on --load, use the learning-rate schedule these flags describe, not the checkpoint's "
+                        "(Megatron-LM's flag; by default the checkpoint's schedule continues, and a start-up note "
+                        "says what it does when the flags ask for another)")
+    g.add_argument("--use-checkpoint-opt_param-scheduler", dest="use_checkpoint_opt_param_scheduler",
+                   action="store_true", help="the default here (Megatron-LM's flag): keep the checkpoint's schedule")
     g.add_argument("--use-checkpoint-args", action="store_true",
                    help="take the model-shape flags from the --load checkpoint")
     g.add_argument("--ckpt-format", choices=("torch", "torch_dist", "zarr", "torch_dcp", "fsdp_dtensor"),

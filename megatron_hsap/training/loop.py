@@ -283,7 +283,8 @@ def _train(args: argparse.Namespace, signals: Any, started: float) -> List[Itera
         optimizer, init_lr=0.0, max_lr=args.lr, min_lr=args.min_lr,
         lr_warmup_steps=args.lr_warmup_steps, lr_decay_steps=args.lr_decay_steps, lr_decay_style=args.lr_decay_style,
         start_wd=args.weight_decay, end_wd=args.weight_decay, wd_incr_steps=args.wd_incr_steps,
-        wd_incr_style="constant")
+        wd_incr_style="constant", override_opt_param_scheduler=args.override_opt_param_scheduler,
+        use_checkpoint_opt_param_scheduler=not args.override_opt_param_scheduler)
     start = 0
     if args.load is not None:
         progress.set_phase("loading checkpoint")
