@@ -89,13 +89,35 @@ class Row:
     plan_p99: float
 
 
+#: Document lengths of the user's indexed dataset (``--data-path``), the mix named "data".
+_DATA_LENGTHS: List[int] = []
+
+
+def dataset_doc_lengths(prefix: str) -> List[int]:
+    """Token counts of the documents of a Megatron indexed dataset (``prefix``.idx/.bin, as
+    ``tools/preprocess_data.py`` writes them): what the training run packs into its samples."""
+    import warnings
+
+    with warnings.catch_warnings():  # Megatron-Core's notices about TE/Apex say nothing about reading an index
+        warnings.simplefilter("ignore")
+        from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    dataset = IndexedDataset(prefix)
+    lengths, bounds = dataset.sequence_lengths, dataset.document_indices
+    docs = [int(lengths[bounds[i]:bounds[i + 1]].sum()) for i in range(len(bounds) - 1)]
+    docs = [n for n in docs if n > 0]
+    if not docs:
+        raise ValueError(f"--data-path {prefix!r} holds no non-empty document")
+    return docs
+
+
 def batch_lengths(mix: str, tokens: int, seed: int) -> List[int]:
     """Document lengths of one packed batch of exactly ``tokens`` tokens."""
     if mix == "buckets":
         return sample_doc_lengths(tokens, seed=seed)
     if mix == "lognormal":
         return lognormal_doc_lengths(tokens, seed=seed)
-    corpus = stdlib_doc_lengths()
+    corpus = _DATA_LENGTHS if mix == "data" else stdlib_doc_lengths()
     return pack_lengths(corpus, tokens, offset=(seed * 7919) % len(corpus))
 
 
@@ -217,22 +239,32 @@ def _zigzag_target(r: Row) -> str:
     return f"inter-node <= {ZIGZAG_TARGET:.2f} x zigzag"
 
 
+def _ratio(value: Optional[float], percent: bool = False) -> str:
+    if value is None:
+        return "no bound: the bound is 0 rows, the plan moves some" if not percent else "-"
+    return f"{100 * value:.1f} %" if percent else f"{value:.2f} x"
+
+
 def check_targets(rows: Sequence[Row]) -> List[str]:
-    """The issue's targets for every sequence-aware row (and zero padding for every placement but contiguous)."""
+    """The issue's targets for every sequence-aware row (and zero padding for every placement but contiguous);
+    a missed target is named with what this run measured."""
     lines = []
     for r in rows:
         if r.placement == "contiguous":
             continue
         name = f"{r.mix} {r.size} {r.layout} {r.mode} {r.placement}"
-        checks = [(f"attention imbalance <= {ATTENTION_TARGET}", r.attn_worst <= ATTENTION_TARGET),
-                  ("token imbalance <= 1.05", r.token_worst <= 1.05),
-                  ("zero padding", r.padding == 0),
-                  ("planning p99 < 10 ms", r.plan_p99 < 10.0)]
+        checks = [(f"attention imbalance <= {ATTENTION_TARGET}", r.attn_worst <= ATTENTION_TARGET,
+                   f"{r.attn_worst:.4f}"),
+                  ("token imbalance <= 1.05", r.token_worst <= 1.05, f"{r.token_worst:.4f}"),
+                  ("zero padding", r.padding == 0, f"{r.padding} tokens"),
+                  ("planning p99 < 10 ms", r.plan_p99 < 10.0, f"{r.plan_p99:.1f} ms")]
         if r.placement == "sequence-aware":
-            checks += [("inter-node <= 1.15 x lower bound", r.vs_bound is not None and r.vs_bound <= 1.15),
-                       (_zigzag_target(r), r.vs_zigzag is None or r.vs_zigzag <= ZIGZAG_TARGET)]
-        failed = [c for c, ok in checks if not ok]
-        lines.append(f"{name}: " + ("all targets PASS" if not failed else "FAIL " + "; ".join(failed)))
+            checks += [("inter-node <= 1.15 x lower bound", r.vs_bound is not None and r.vs_bound <= 1.15,
+                        _ratio(r.vs_bound)),
+                       (_zigzag_target(r), r.vs_zigzag is None or r.vs_zigzag <= ZIGZAG_TARGET,
+                        _ratio(r.vs_zigzag, percent=True))]
+        missed = [f"{target} (this run: {measured})" for target, ok, measured in checks if not ok]
+        lines.append(f"{name}: " + ("all targets PASS" if not missed else "target missed: " + "; ".join(missed)))
     return lines
 
 
@@ -317,9 +349,14 @@ def draw(path: str, lengths: List[int], layout: str, mode: str, model: CostModel
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--mixes", nargs="+", choices=MIXES, default=list(MIXES),
+    parser.add_argument("--mixes", nargs="+", choices=MIXES + ("data",), default=None,
                         help="document-length mixes: buckets (the shipped histogram of a real corpus), lognormal "
-                             "(median 3000 tokens), stdlib (sizes of Python's standard-library files in bytes)")
+                             "(median 3000 tokens), stdlib (sizes of Python's standard-library files in bytes), "
+                             "data (the documents of --data-path); default: the first three, or data")
+    parser.add_argument("--data-path", default=None,
+                        help="an indexed dataset prefix (tools/preprocess_data.py's output, as the training "
+                             "script's --data-path): its documents, packed in order from a seeded offset, are "
+                             "the mix 'data'")
     parser.add_argument("--sizes", nargs="+", choices=list(SIZES), default=["1M"], help="tokens per packed batch")
     parser.add_argument("--layouts", nargs="+", choices=list(LAYOUTS), default=list(DEFAULT_LAYOUTS),
                         help="NODESxRANKS: nodes and CP ranks per node")
@@ -338,6 +375,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         parser.error(f"--batches must be >= 1, got {args.batches}")
     if args.repeats < 1:
         parser.error(f"--repeats must be >= 1, got {args.repeats}")
+    if args.mixes is None:
+        args.mixes = ["data"] if args.data_path else list(MIXES)
+    if "data" in args.mixes:
+        if not args.data_path:
+            parser.error("--mixes data needs --data-path")
+        _DATA_LENGTHS[:] = dataset_doc_lengths(args.data_path)
     model = CostModel()
     rows = list(run(args.mixes, args.sizes, args.layouts, args.modes, args.batches, args.seed, model, args.repeats))
     print(format_table(rows))
