@@ -2,7 +2,7 @@
 """How packed batches are placed on CP ranks: sequence-aware vs per-document zigzag vs contiguous.
 
 Everything is computed offline from ``plan_batch`` and ``BatchPlan.stats`` on ``CPTopology.offline``
-layouts, so any cluster shape can be studied on one CPU (REFERENCE.md section 5). Length mixes:
+layouts, so any cluster shape can be studied on one CPU. Length mixes:
 ``buckets`` (the shipped histogram, ``sample_doc_lengths``), ``lognormal`` (``lognormal_doc_lengths``:
 median 3000 tokens, sigma 1.5) and ``stdlib`` (a heavy-tailed real corpus available on every machine:
 the sizes in bytes of the Python standard library's source files, packed in file order from a seeded
