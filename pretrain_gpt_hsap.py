@@ -50,9 +50,18 @@ def run_rank(args: argparse.Namespace) -> int:
 
 def main() -> int:
     args = parse_args()
+    if args.dry_run:
+        from megatron_hsap.training.startup import dry_run_lines
+
+        print("\n".join(dry_run_lines(args)), flush=True)
+        return 0
     if int(os.environ.get("RANK", "0")) == 0:
         for line in filter(None, [fallback_summary()] + [f"megatron-hsap: {note}" for note in args.compat_notes]):
             print(line, flush=True)
+        if args.print_args:
+            from megatron_hsap.training.startup import arguments_block
+
+            print(arguments_block(args), flush=True)
     if launched_by_torchrun():
         return run_rank(args)
     return spawn_local_ranks(args.nproc or 1, run_rank, args, args.rank_failure_grace_seconds)

@@ -12,11 +12,15 @@ import os
 import socket
 import sys
 
-import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
-
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from megatron_hsap.training.quiet import fallback_summary, quiet_rank  # noqa: E402
+
+quiet_rank(0)  # before Megatron-Core is imported: its missing-package notices become one line below
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.multiprocessing as mp  # noqa: E402
 
 from megatron_hsap.attention import context_parallel_attention  # noqa: E402
 from megatron_hsap.config import ContextParallelConfig  # noqa: E402
@@ -49,13 +53,19 @@ def run(rank: int, world: int, port: int) -> None:
     reference.sum().backward()
     errors = [(plan.unshard(out) - reference).abs().max().item()]
     errors += [(plan.unshard(x.grad) - g.grad).abs().max().item() for x, g in zip(local, (q, k, v))]
-    print(f"rank {rank}: Ulysses {topo.ulysses_size} x ring {topo.ring_size}, {plan.tokens_per_rank} tokens; "
-          f"max error out {errors[0]:.1e} dq {errors[1]:.1e} dk {errors[2]:.1e} dv {errors[3]:.1e}; "
-          f"sent intra {comm.send_bytes_intra} B, inter {comm.send_bytes_inter} B", flush=True)
+    line = (f"rank {rank}: Ulysses {topo.ulysses_size} x ring {topo.ring_size}, {plan.tokens_per_rank} tokens; "
+            f"max error out {errors[0]:.1e} dq {errors[1]:.1e} dk {errors[2]:.1e} dv {errors[3]:.1e}; "
+            f"sent intra {comm.send_bytes_intra} B, inter {comm.send_bytes_inter} B")
+    lines = [None] * world
+    dist.all_gather_object(lines, line)  # rank 0 prints every rank's line: no interleaving
+    if rank == 0:
+        print("\n".join(lines), flush=True)
     dist.destroy_process_group()
 
 
 if __name__ == "__main__":
+    if fallback_summary():
+        print(fallback_summary(), flush=True)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         free_port = s.getsockname()[1]

@@ -147,7 +147,7 @@ def _long_tail(total: int, seed: int, shrink: int = 64) -> List[int]:
 
 
 def hard_cases(cp_size: int) -> Dict[str, List[int]]:
-    """Named document-length lists covering REFERENCE.md section 6 for a CP group of ``cp_size`` ranks.
+    """Named document-length lists covering the hard cases of packed batches for a CP group of ``cp_size`` ranks.
 
     Positions are described for equal contiguous shards of ``s = 48`` tokens per rank
     (total ``48 * max(cp_size, 2)`` unless stated); zigzag chunks of a document are

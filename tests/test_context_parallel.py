@@ -2,7 +2,7 @@
 
 Every launch runs with point-to-point tags forced to 0 (``tests/distributed.py``), so
 messages match in posting order as on NCCL; ring sizes 2, 3, 4, 6 and 8 are covered.
-Each launch runs every hard case of REFERENCE.md section 6 for one CP layout, in
+Each launch runs every hard case of packed batches (tests/reference.py) for one CP layout, in
 every token layout, cycling head shapes (MHA, GQA, KV heads fewer than the Ulysses
 size), head dims (64 and an odd one), dtypes (fp64 and fp32) and causal/full masks
 so that every combination appears. Outputs and dq/dk/dv are compared on rank 0; padding

@@ -98,7 +98,7 @@ def test_runs_follow_the_kernel_gqa_convention():
 
 
 def test_gqa_schedule_of_the_reference_when_heads_divide():
-    """REFERENCE.md 1.1 at U = P with P | H and G | H/P: stage s has rank r attend its s-th query head; stage 0
+    """The UPipe paper's schedule at U = P with P | H and G | H/P: stage s has rank r attend its s-th query head; stage 0
     sends one KV head per rank and the next G - 1 stages reuse it (KV crosses once per group)."""
     checked = 0
     for h, h_kv, p, u in SHAPES:
@@ -166,7 +166,7 @@ def test_errors_name_the_argument(args, pattern):
 
 
 def test_activation_bytes_match_reference_accounting():
-    """MHA, U = H, bf16: REFERENCE.md 1.1's 12 * (S/C) * H * d; U = C cuts it by H / C (87.5 % at H = 64, C = 8)."""
+    """MHA, U = H, bf16: the UPipe paper's 12 * (S/C) * H * d; U = C cuts it by H / C (87.5 % at H = 64, C = 8)."""
     t, h, d = 1000, 64, 128
     assert attention_activation_bytes(t, h, h, d, 8, h, 2) == 12 * t * h * d
     assert attention_activation_bytes(t, h, h, d, 8, 8, 2) == 12 * t * 8 * d

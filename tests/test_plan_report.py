@@ -12,6 +12,7 @@ import sys
 from typing import List
 
 import pytest
+import torch
 
 _PATH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools", "plan_report.py")
 
@@ -116,3 +117,32 @@ def test_zigzag_target_is_unreachable_only_when_no_balanced_placement_meets_it(r
     assert "unreachable: any placement within 1.02 attention imbalance moves >= " in report._zigzag_target(seq)
     tolerant = dataclasses.replace(seq, floor_vs_zigzag=0.19, bound_vs_zigzag=0.25)
     assert report._zigzag_target(tolerant) == "inter-node <= 0.20 x zigzag"
+
+
+def test_a_missed_target_says_what_this_run_measured(report) -> None:
+    rows = list(report.run(["lognormal"], ["1M"], ["8x8"], ["hybrid"], 4, 0, report.CostModel()))
+    seq = rows[0]
+    missed = dataclasses.replace(seq, vs_bound=1.3, attn_worst=1.05)
+    (line, _) = report.check_targets([missed, rows[1]])
+    assert line.startswith("lognormal 1M 8x8 hybrid sequence-aware: target missed: ")
+    assert "attention imbalance <= 1.02 (this run: 1.0500)" in line
+    assert "inter-node <= 1.15 x lower bound (this run: 1.30 x)" in line and "FAIL" not in line
+
+
+def test_the_users_own_dataset_is_a_mix(report, capsys, tmp_path) -> None:
+    """--data-path: the documents of an indexed dataset (here 5 of 40,000 tokens each) are the mix 'data'."""
+    import numpy
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+
+    prefix = str(tmp_path / "corpus")
+    builder = IndexedDatasetBuilder(prefix + ".bin", dtype=numpy.int32)
+    for _ in range(5):
+        builder.add_document(torch.ones(40_000, dtype=torch.int32), [40_000])
+    builder.finalize(prefix + ".idx")
+    assert report.dataset_doc_lengths(prefix) == [40_000] * 5
+    assert report.main(["--data-path", prefix, "--sizes", "128K", "--layouts", "2x8", "--batches", "1"]) == 0
+    rows = _table_rows(capsys.readouterr().out)
+    assert [r[0] for r in rows] == ["data"] * 3 and rows[0][5] == "4"  # 131072 tokens: 3 whole documents + a cut
+    with pytest.raises(SystemExit):
+        report.main(["--mixes", "data"])
+    assert "--mixes data needs --data-path" in capsys.readouterr().err

@@ -36,7 +36,7 @@ def test_cpu_demo_trains_with_hsap_across_two_emulated_nodes(tmp_path):
     # clean output: no warnings from the 8 ranks; Megatron-Core's fallback notices are one rank-0 line
     assert result.stderr == "" and "Warning" not in result.stdout, result.stderr[-4000:]
     assert result.stdout.count("Megatron-Core uses its PyTorch fallbacks") == (1 if fallback_summary() else 0)
-    assert "mode hsap, ulysses 4 x ring 2" in result.stdout and "nodes 2" in result.stdout
+    assert "mode hsap, Ulysses 4 (inside a node) x ring 2" in result.stdout and "2 node(s)" in result.stdout
     assert f"iteration {ITERS:8d}/{ITERS:8d} | consumed samples:" in result.stdout
     assert f"validation loss at iteration {ITERS} on validation set | lm loss value:" in result.stdout
     assert f"validation loss at iteration {ITERS} on test set | lm loss value:" in result.stdout

@@ -95,6 +95,17 @@ def test_evaluation_block_is_megatron_lms(capsys):
     assert lines[0] == lines[2] == "-" * (len(lines[1]) + 1)
 
 
+def test_evaluations_at_one_iteration_read_apart(capsys):
+    log = IterationLogger(10, rank=0, progress_bar=False)
+    log.evaluation("validation", "iteration 4", 2.0, 4, 16, detail="periodic evaluation of validation batches 0-1")
+    log.evaluation("validation", "iteration 4 on validation set", 2.5, 4, 16,
+                   detail="final evaluation of validation batches 2-3")
+    blocks = [line for line in capsys.readouterr().out.splitlines() if "validation loss" in line]
+    assert blocks[0].startswith(" validation loss at iteration 4 | lm loss value: 2.000000E+00 | ")
+    assert blocks[0].endswith("| periodic evaluation of validation batches 0-1 | ")
+    assert blocks[1].endswith("| final evaluation of validation batches 2-3 | ") and blocks[0] != blocks[1]
+
+
 def test_other_ranks_print_and_write_nothing(capsys):
     writer = FakeWriter()
     log = IterationLogger(1, rank=1, writers=[writer])

@@ -174,6 +174,26 @@ def test_resume_is_exact_and_reshards_to_another_cp_mode_and_size(tmp_path, cach
     _assert_matches(resharded, reference)
 
 
+def test_a_longer_resumed_run_says_what_the_learning_rate_schedule_does(tmp_path, cache_dir, reference_run):
+    """Resumed from iteration 2 with --train-iters 8, the checkpoint's schedule (decay over 4 iterations) continues,
+    as in Megatron-LM: a start-up note says so and that the rate then stays at min-lr, which the log shows;
+    --override-opt_param-scheduler decays over the flags' 8 iterations instead."""
+    _, _, saved = reference_run
+    ckpt = str(tmp_path / "ckpt")
+    shutil.copytree(os.path.join(saved, "iter_0000002"), os.path.join(ckpt, "iter_0000002"))
+    with open(os.path.join(ckpt, "latest_checkpointed_iteration.txt"), "w") as f:
+        f.write("2")
+    kept = _run_logged(tmp_path, cache_dir, 1, "kept", "--load", ckpt, "--train-iters", "8")
+    assert ("the checkpoint's learning-rate schedule continues (as Megatron-LM by default): lr_decay_steps 8 "
+            "(the flags: 16)") in kept.stdout
+    assert "reaches min-lr 0.0003 at sample 8 and stays there" in kept.stdout
+    assert [r["lr"] for r in kept.records if r["iteration"] > 4] == [pytest.approx(3e-4)] * 4
+    override = _run_logged(tmp_path, cache_dir, 1, "override", "--load", ckpt, "--train-iters", "8",
+                           "--override-opt_param-scheduler")
+    assert "--override-opt_param-scheduler: the flags' learning-rate schedule replaces" in override.stdout
+    assert all(r["lr"] > 3e-4 * 1.01 for r in override.records if r["iteration"] < 8)
+
+
 def test_distributed_optimizer_resumes_under_other_layouts(tmp_path, cache_dir, reference):
     """Megatron-LM's two distributed-optimizer formats, resharded: 'dp_reshardable' (the default) from
     CP 2 (ring) to CP 2 x DP 2 (hsap, full recompute); that run saves 'fully_reshardable', which resumes

@@ -30,11 +30,12 @@ ORDER = ("weights", "grads", "optimizer state", "saved activations", "attention 
          "mlp transient", "loss transient")
 
 
-def _row(method: str, est) -> str:
+def _row(method: str, est, budget: int) -> str:
     c = est.components
     cells = " | ".join(f"{c[k] / GiB:.2f}" for k in ORDER)
+    fits = "yes" if est.peak <= budget else f"NO (+{(est.peak - budget) / GiB:.2f})"
     return (f"| {method} | {est.tokens / 1e6:.2f}M | {est.tokens_per_rank:,} | {cells} | {est.peak / GiB:.2f} "
-            f"| {est.limiting} |")
+            f"| {fits} | {est.limiting} |")
 
 
 def main() -> None:
@@ -77,39 +78,68 @@ def main() -> None:
           f"dp {args.dp}; {args.dtype_bytes}-byte weights/activations, {args.grad_bytes}-byte grads, "
           f"{args.optimizer}{'' if args.no_distributed_optimizer else ' (distributed optimizer)'}, "
           f"recompute {args.recompute}; device {args.device_gib:g} GiB")
-    print("| method | context | tokens/rank | " + " | ".join(f"{k} GiB" for k in ORDER) + " | peak GiB | limited by |")
-    print("|---" * (len(ORDER) + 5) + "|")
     budget = int(args.device_gib * GiB)
     reserve = int(args.reserve_gib * GiB)
+    print("| method | context | tokens/rank | " + " | ".join(f"{k} GiB" for k in ORDER)
+          + f" | peak GiB | fits {args.device_gib - args.reserve_gib:g} GiB | peak phase |")
+    print("|---" * (len(ORDER) + 6) + "|")
     for method in methods:
         if args.tokens:
             est = estimate(model, args.tokens, par, training(args.tokens), method)
         else:
             guess = max_context(model, budget, par, training(1 << 20), method, reserve_bytes=reserve)
             est = max_context(model, budget, par, training(guess.tokens), method, reserve_bytes=reserve)
-        print(_row(method, est))
+        print(_row(method, est, budget - reserve))
+    print("context: " + ("as asked (--tokens)" if args.tokens else "the longest that fits (a multiple of 64Ki tokens)")
+          + "; peak = weights + grads + optimizer state + saved activations + the largest transient; peak phase: "
+          "the transient that sets it (attention block = attention buffers + communication; one layer's backward "
+          "at a time)")
 
     if args.plot:
-        try:
-            import matplotlib
+        _plot(args.plot, model, par, methods, training, budget, reserve, args)
 
-            matplotlib.use("Agg")
-            import matplotlib.pyplot as plt
-        except ImportError:
-            print("matplotlib is not installed: no plot written", file=sys.stderr)
-            return
-        contexts = [n * 2 ** 18 for n in range(1, 41)]
-        peaks = {m: [estimate(model, n, par, training(n), m).peak / GiB for n in contexts] for m in methods}
-        for m, ys in peaks.items():
-            plt.plot([n / 1e6 for n in contexts], ys, label=m)
-        plt.axhline(args.device_gib, color="grey", linestyle="--", label=f"{args.device_gib:g} GiB")
-        plt.xlabel("context length (M tokens)")
-        plt.ylabel("predicted peak per rank (GiB)")
-        plt.title(f"{model.name}, cp {args.cp}, recompute {args.recompute}")
-        plt.legend()
-        plt.savefig(args.plot, dpi=120)
-        print(f"wrote {args.plot}")
 
+def _plot(path, model, par, methods, training, budget: int, reserve: int, args) -> None:
+    """Predicted peak against context per method, each method's longest context marked, zoomed on the range
+    where the methods part ways."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no plot written", file=sys.stderr)
+        return
+    longest = {m: max_context(model, budget, par, training(max_context(model, budget, par, training(1 << 20), m,
+                                                                       reserve_bytes=reserve).tokens),
+                              m, reserve_bytes=reserve).tokens for m in methods}
+    top = 1.4 * max(longest.values())
+    contexts = [int(top * i / 80) for i in range(1, 81)]
+    styles = {"ulysses": ("tab:blue", "-", 2.5), "hybrid": ("tab:orange", "--", 1.5), "ring": ("tab:green", "-", 2),
+              "upipe": ("tab:red", "-", 2)}
+    fig, ax = plt.subplots(figsize=(9, 5.5))
+    peaks = {m: [estimate(model, n, par, training(n), m).peak / GiB for n in contexts] for m in methods}
+    for m in methods:
+        colour, line, width = styles[m]
+        same = " (coincides with ulysses)" if m == "hybrid" and peaks.get("ulysses") == peaks[m] else ""
+        ax.plot([n / 1e6 for n in contexts], peaks[m], color=colour, linestyle=line, linewidth=width,
+                label=f"{m}: longest {longest[m] / 1e6:.2f}M tokens{same}")
+        ax.axvline(longest[m] / 1e6, color=colour, linestyle=":", linewidth=1)
+    ax.axhline((budget - reserve) / GiB, color="black", linestyle="--", linewidth=1,
+               label=f"device budget {(budget - reserve) / GiB:g} GiB")
+    ax.set_xlim(0, top / 1e6)
+    ax.set_ylim(0, 1.5 * budget / GiB)
+    ax.set_xlabel("context length (million tokens)")
+    ax.set_ylabel("predicted peak memory per GPU (GiB)")
+    ax.set_title(f"{model.name} on tp {args.tp} x cp {args.cp}: predicted peak per GPU by method\n"
+                 f"recompute {args.recompute}, {args.grad_bytes}-byte grads, {args.optimizer}; dotted: the longest "
+                 f"context that fits", fontsize=10)
+    ax.legend(fontsize=9, loc="upper left")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    print(f"wrote {path}")
 
 if __name__ == "__main__":
     main()

@@ -27,6 +27,10 @@ from typing import Any, Iterator, List, Optional
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from megatron_hsap.training.quiet import quiet_rank  # noqa: E402
+
+quiet_rank(0)  # Megatron-Core's optimizer notices (TE/Apex missing) say nothing about tokenizing
+
 from megatron_hsap.training.arguments import add_tokenizer_args  # noqa: E402
 from megatron_hsap.training.corpus import write_indexed_dataset  # noqa: E402
 from megatron_hsap.training.tokenizer import build_tokenizer, resolve_tokenizer_type  # noqa: E402

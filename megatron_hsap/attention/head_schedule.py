@@ -1,4 +1,4 @@
-"""Which heads each UPipe stage projects, sends and attends (REFERENCE.md section 1.1).
+"""Which heads each UPipe stage projects, sends and attends (UPipe, arXiv 2602.21196).
 
 Pure bookkeeping, no tensors: ``HeadSchedule`` maps H query heads and H_kv KV heads
 (both per TP rank) onto stages of about U query heads over a Ulysses group of P ranks.
@@ -11,7 +11,7 @@ in the first stage one of its query heads uses it, keeps it while later stages u
 and sends its gradient back once, in the stage of its last use: each KV head crosses
 the all-to-all once per layer towards each rank that needs it (twice only when its G
 query heads straddle two ranks' ranges, which the split minimises). With U = P and G
-dividing H/P this is REFERENCE.md 1.1's schedule: stage 0 sends one KV head per rank,
+dividing H/P this is the UPipe paper's GQA schedule: stage 0 sends one KV head per rank,
 the next G-1 stages reuse it.
 
 Fused QKV weight rows (Megatron's ``linear_qkv``, per TP rank) come in "units" of
@@ -142,7 +142,7 @@ def build_head_schedule(num_heads_q: int, num_heads_kv: int, ulysses_size: int, 
 
 def attention_activation_bytes(tokens_per_rank: int, num_heads_q: int, num_heads_kv: int, head_dim: int,
                                ulysses_size: int, head_chunk_size: int, element_size: int) -> int:
-    """REFERENCE.md 1.1's accounting of one layer's attention intermediates per rank, for U heads per stage.
+    """The UPipe paper's accounting of one layer's attention intermediates per rank, for U heads per stage.
 
     Q, K, V of the stage's heads for this rank's tokens, plus their all-to-all outputs
     (the same bytes again): 2 * t_local * (U + 2 * kv_U) * d * element_size, where kv_U is the

@@ -1,4 +1,4 @@
-"""UPipe: head-chunked context-parallel attention fused with the QKV projection (REFERENCE.md 1.1).
+"""UPipe: head-chunked context-parallel attention fused with the QKV projection (UPipe, arXiv 2602.21196).
 
 ``head_chunked_attention`` takes the attention block's input and Megatron's fused
 ``linear_qkv`` weight and returns what feeds ``linear_proj``. Per stage of U query

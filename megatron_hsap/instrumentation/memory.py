@@ -1,4 +1,4 @@
-"""Peak live tensor memory of a code region, on CPU as on GPU (REFERENCE.md section 5).
+"""Peak live tensor memory of a code region, on CPU as on GPU.
 
 CPU has no allocator statistics, so the CPU tracker watches the dispatcher: a
 ``TorchDispatchMode`` sees every aten op (factory functions, autograd's backward

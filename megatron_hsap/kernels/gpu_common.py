@@ -14,7 +14,7 @@ rows; key ranges may repeat across blocks), so one kernel call becomes several
 - q/k/v rows of a pass are gathered into packed buffers (a plain view when the
   pass's segments are already adjacent, as for a packed batch's diagonal blocks);
 - pass results are merged with the log-sum-exp in fp32, exactly like the ring
-  steps of context-parallel attention (REFERENCE.md 2, "TE ring");
+  steps of context-parallel attention (as TransformerEngine's ring attention, ``context_parallel.py``);
 - the backward of each pass runs with the *final* out/lse of its rows (the
   libraries accept them as inputs) and its grads are scatter-added in fp32.
 

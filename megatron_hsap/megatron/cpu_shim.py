@@ -4,7 +4,7 @@ Megatron-Core assumes a GPU in a handful of places that have nothing to do with
 the model maths. ``apply_cpu_shim()`` patches exactly those, and only when this
 process uses no CUDA device (``torch.cuda.is_available()`` is False); on a GPU it
 does nothing, so GPU runs execute unmodified Megatron-Core. It is idempotent.
-REFERENCE.md section 7 records how each spot was found.
+Each patch below names the CUDA-only call it replaces.
 
 Patches (each the smallest change that made a CPU run work):
 

@@ -2,7 +2,7 @@
 
 The placement (``placement.py``) balances this cost across ring members and the
 planning report (``tools/plan_report.py``) quotes it. Units are forward FLOPs of one
-transformer layer, counted like ``BatchPlan.stats`` (REFERENCE.md section 5):
+transformer layer, counted like ``BatchPlan.stats`` (forward FLOPs 4 x mask area x heads x head_dim):
 
 - attention: ``4 * area * num_heads_q * head_dim``, where ``area`` is the number of
   (query, key) pairs the mask allows (QK^T and PV, 2 FLOPs per multiply-add each);

@@ -42,6 +42,7 @@ IGNORED_FLAGS = {
     "--timing-log-level": 1, "--ddp-bucket-size": 1, "--ddp-average-in-collective": 0,
     "--accumulate-allreduce-grads-in-fp32": 0,
 }
+_IGNORED_HELP = "Megatron-LM's flag, accepted; changes nothing on this path (listed once at start-up)"
 #: Megatron-LM flags that would change results and are not supported here -> why (an error naming the flag).
 _UNSUPPORTED_FLAGS = {
     "fp16": ("--fp16", "fp16 training needs dynamic loss scaling with skipped iterations, which this loop "
@@ -91,17 +92,26 @@ def _non_negative_float(text: str) -> float:
     return value
 
 
+class _Parser(argparse.ArgumentParser):
+    """An error is two lines, where the flags are listed and the problem, not the 130 lines of usage text."""
+
+    def format_usage(self) -> str:
+        return f"usage: {self.prog} [flags]  (`{self.prog} --help` lists every flag)\n"
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = _Parser(
         prog="pretrain_gpt_hsap.py", allow_abbrev=False,
         description="Train a Megatron-Core GPT with HSAP context parallelism. With no --data-path and no "
                     "--mock-data it trains on the Python standard library's sources (byte-level tokens).")
     p.add_argument("--demo", action="store_true",
                    help="as the first flag: start from the embedded CPU demo preset (also used when no flag is given)")
     g = p.add_argument_group("model")
-    g.add_argument("--num-layers", type=_positive_int, default=2)
-    g.add_argument("--hidden-size", type=_positive_int, default=64)
-    g.add_argument("--num-attention-heads", type=_positive_int, default=8)
+    g.add_argument("--num-layers", type=_positive_int, default=2, help="transformer layers")
+    g.add_argument("--hidden-size", type=_positive_int, default=64,
+                   help="model width; the head dimension is hidden size / attention heads")
+    g.add_argument("--num-attention-heads", type=_positive_int, default=8,
+                   help="query heads (any count works with any Ulysses size)")
     g.add_argument("--num-query-groups", type=_positive_int, default=None,
                    help="KV heads (grouped-query attention); default = --num-attention-heads (1 with "
                         "--group-query-attention, as Megatron-LM)")
@@ -109,34 +119,44 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--kv-channels", type=_positive_int, default=None,
                    help="head dimension; must be --hidden-size / --num-attention-heads (the default)")
     g.add_argument("--ffn-hidden-size", type=_positive_int, default=None, help="default 4 x hidden size")
-    g.add_argument("--seq-length", type=_positive_int, default=256)
+    g.add_argument("--seq-length", type=_positive_int, default=256,
+                   help="tokens per packed sample (the global sequence split over the CP ranks)")
     g.add_argument("--max-position-embeddings", type=_positive_int, default=None, help="default --seq-length")
-    g.add_argument("--position-embedding-type", choices=("rope", "learned_absolute"), default="rope")
-    g.add_argument("--rotary-base", type=int, default=10000)
+    g.add_argument("--position-embedding-type", choices=("rope", "learned_absolute"), default="rope",
+                   help="rope: rotary at each token's in-document position; learned_absolute: a table")
+    g.add_argument("--rotary-base", type=int, default=10000, help="RoPE base frequency")
     g.add_argument("--rotary-percent", type=float, default=1.0, help="must be 1.0 (rotary on the whole head)")
     g.add_argument("--apply-layernorm-1p", action="store_true", help="not supported (an error)")
     g.add_argument("--transformer-impl", choices=("local", "transformer_engine"), default=None,
                    help="layer modules (default: transformer_engine with CUDA and TransformerEngine installed, "
                         "else local)")
-    g.add_argument("--normalization", choices=("LayerNorm", "RMSNorm"), default="LayerNorm")
-    g.add_argument("--swiglu", action="store_true")
-    g.add_argument("--untie-embeddings-and-output-weights", action="store_true")
-    g.add_argument("--disable-bias-linear", action="store_true")
-    g.add_argument("--init-method-std", type=float, default=0.02)
-    g.add_argument("--hidden-dropout", type=float, default=0.0)
-    g.add_argument("--attention-dropout", type=float, default=0.0)
-    g.add_argument("--make-vocab-size-divisible-by", type=_positive_int, default=128)
+    g.add_argument("--normalization", choices=("LayerNorm", "RMSNorm"), default="LayerNorm",
+                   help="LayerNorm or RMSNorm")
+    g.add_argument("--swiglu", action="store_true", help="SwiGLU MLP (gated, as Llama)")
+    g.add_argument("--untie-embeddings-and-output-weights", action="store_true",
+                   help="a separate output layer instead of the input embedding's transpose")
+    g.add_argument("--disable-bias-linear", action="store_true", help="no biases in the linear layers (as Llama)")
+    g.add_argument("--init-method-std", type=float, default=0.02,
+                   help="standard deviation of the weight initialisation")
+    g.add_argument("--hidden-dropout", type=float, default=0.0, help="dropout after attention and MLP")
+    g.add_argument("--attention-dropout", type=float, default=0.0,
+                   help="dropout on attention probabilities; only 0 is supported with context parallelism")
+    g.add_argument("--make-vocab-size-divisible-by", type=_positive_int, default=128,
+                   help="pad the vocabulary to a multiple of this x TP (Megatron's padding)")
     g.add_argument("--layout-independent-init", action="store_true",
                    help="initialise every weight from its name and global (unsharded) shape, so runs with "
                         "different TP/PP sizes start from identical weights")
 
     g = p.add_argument_group("parallelism")
-    g.add_argument("--tensor-model-parallel-size", type=_positive_int, default=1)
-    g.add_argument("--pipeline-model-parallel-size", type=_positive_int, default=1)
+    g.add_argument("--tensor-model-parallel-size", type=_positive_int, default=1,
+                   help="TP: ranks sharing each layer's weights (innermost in the rank order)")
+    g.add_argument("--pipeline-model-parallel-size", type=_positive_int, default=1, help="PP: pipeline stages")
     g.add_argument("--num-layers-per-virtual-pipeline-stage", type=_positive_int, default=None,
                    help="enables the interleaved 1F1B schedule")
-    g.add_argument("--context-parallel-size", type=_positive_int, default=1)
-    g.add_argument("--sequence-parallel", action="store_true")
+    g.add_argument("--context-parallel-size", type=_positive_int, default=1,
+                   help="CP: ranks sharing each sequence (see --context-parallel-mode)")
+    g.add_argument("--sequence-parallel", action="store_true",
+                   help="with TP > 1: shard norms and dropout over the TP ranks along the sequence")
     g.add_argument("--context-parallel-mode", choices=MODES, default=None,
                    help="default hsap, or what --cp-comm-type names")
     g.add_argument("--cp-comm-type", nargs="+", choices=tuple(CP_COMM_TYPES) + ("allgather",), default=None,
@@ -160,43 +180,54 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--use-flash-attn", action="store_true", help="= --attention-kernel flash")
     g.add_argument("--ranks-per-node", type=_positive_int, default=None,
                    help="ranks per node; set it to emulate several nodes on one machine (default: LOCAL_WORLD_SIZE)")
-    g.add_argument("--distributed-backend", choices=("auto", "gloo", "nccl"), default="auto")
+    g.add_argument("--distributed-backend", choices=("auto", "gloo", "nccl"), default="auto",
+                   help="auto: NCCL with CUDA, else gloo")
     g.add_argument("--distributed-timeout-minutes", type=_positive_float, default=10,
                    help="a collective waiting this long for a peer fails (fractions allowed, e.g. 0.5)")
     g.add_argument("--nproc", type=_positive_int, default=None,
                    help="when started without torchrun: spawn this many local ranks (CPU/gloo)")
+    g.add_argument("--dry-run", type=_positive_int, default=None, metavar="WORLD_SIZE",
+                   help="check the flags for a job of WORLD_SIZE ranks (--ranks-per-node per node, default 8), print "
+                        "the resolved configuration and the predicted peak memory per GPU, and exit without "
+                        "starting any process (no GPU or cluster needed)")
+    g.add_argument("--print-args", action="store_true",
+                   help="rank 0 prints every argument at start-up in Megatron-LM's layout")
     g.add_argument("--rank-failure-grace-seconds", type=_non_negative_float, default=10.0,
                    help="with --nproc: after one rank fails, the others get this long to exit, then are killed")
 
     g = p.add_argument_group("training")
-    g.add_argument("--micro-batch-size", type=_positive_int, default=1)
+    g.add_argument("--micro-batch-size", type=_positive_int, default=1,
+                   help="samples per micro-batch and data-parallel rank")
     g.add_argument("--global-batch-size", type=_positive_int, default=None, help="default micro x data-parallel")
     g.add_argument("--rampup-batch-size", nargs=3, default=None, metavar=("START", "INCREMENT", "SAMPLES"),
                    help="not supported (an error)")
     g.add_argument("--train-iters", type=_positive_int, default=None, help=f"default {DEFAULT_TRAIN_ITERS}")
     g.add_argument("--train-samples", type=_positive_int, default=None,
                    help="instead of --train-iters: iterations = samples // global batch size (as Megatron-LM)")
-    g.add_argument("--lr", type=float, default=3e-3)
-    g.add_argument("--min-lr", type=float, default=3e-4)
+    g.add_argument("--lr", type=float, default=3e-3, help="peak learning rate")
+    g.add_argument("--min-lr", type=float, default=3e-4, help="learning rate at the end of the decay")
     g.add_argument("--decoupled-lr", type=float, default=None,
                    help="peak learning rate of the embedding and output layers (default --lr)")
     g.add_argument("--decoupled-min-lr", type=float, default=None,
                    help="with --decoupled-lr: their minimum learning rate (default --min-lr)")
     g.add_argument("--lr-warmup-iters", type=_non_negative_int, default=None,
-                   help=f"default {DEFAULT_LR_WARMUP_ITERS} with --train-iters")
+                   help=f"default min({DEFAULT_LR_WARMUP_ITERS}, --train-iters / 10) with --train-iters")
     g.add_argument("--lr-warmup-samples", type=_non_negative_int, default=None, help="with --train-samples")
     g.add_argument("--lr-warmup-fraction", type=_non_negative_float, default=None,
                    help="warmup as a fraction of the decay length")
     g.add_argument("--lr-decay-iters", type=_positive_int, default=None, help="default --train-iters")
     g.add_argument("--lr-decay-samples", type=_positive_int, default=None, help="default --train-samples")
-    g.add_argument("--lr-decay-style", choices=("cosine", "linear", "constant"), default="cosine")
-    g.add_argument("--weight-decay", type=float, default=0.01)
-    g.add_argument("--adam-beta1", type=float, default=0.9)
-    g.add_argument("--adam-beta2", type=float, default=0.95)
-    g.add_argument("--clip-grad", type=float, default=1.0)
-    g.add_argument("--seed", type=int, default=1234)
+    g.add_argument("--lr-decay-style", choices=("cosine", "linear", "constant"), default="cosine",
+                   help="shape of the decay after warm-up")
+    g.add_argument("--weight-decay", type=float, default=0.01, help="AdamW weight decay")
+    g.add_argument("--adam-beta1", type=float, default=0.9, help="Adam beta1")
+    g.add_argument("--adam-beta2", type=float, default=0.95, help="Adam beta2")
+    g.add_argument("--clip-grad", type=float, default=1.0,
+                   help="clip the global gradient norm to this (0: no clipping)")
+    g.add_argument("--seed", type=int, default=1234, help="random seed (weights, data order, dropout)")
     precision = g.add_mutually_exclusive_group()
-    precision.add_argument("--bf16", action="store_true")
+    precision.add_argument("--bf16", action="store_true",
+                           help="bf16 weights and activations with fp32 main weights in the optimizer")
     precision.add_argument("--fp32", action="store_true", help="the default; listed for Megatron compatibility")
     precision.add_argument("--fp16", action="store_true", help="not supported (an error naming --bf16)")
     g.add_argument("--fp8-format", choices=("e4m3", "hybrid"), default=None, help="not supported (an error)")
@@ -204,37 +235,52 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --bf16: reduce gradients over data-parallel ranks in bf16 (default fp32)")
     g.add_argument("--calculate-per-token-loss", action="store_true",
                    help="accepted where it equals this loss: every micro-batch has the same number of loss tokens")
-    g.add_argument("--use-distributed-optimizer", action="store_true")
-    g.add_argument("--recompute-granularity", choices=("full", "selective"), default=None)
-    g.add_argument("--recompute-method", choices=("uniform", "block"), default="uniform")
-    g.add_argument("--recompute-num-layers", type=_positive_int, default=1)
+    g.add_argument("--use-distributed-optimizer", action="store_true",
+                   help="shard the optimizer state over the data-parallel x CP ranks (ZeRO-1)")
+    g.add_argument("--recompute-granularity", choices=("full", "selective"), default=None,
+                   help="full: recompute whole layers in the backward; selective: recompute the attention core")
+    g.add_argument("--recompute-method", choices=("uniform", "block"), default="uniform",
+                   help="with full: uniform or block (which layers are recomputed)")
+    g.add_argument("--recompute-num-layers", type=_positive_int, default=1,
+                   help="with full: layers per recompute unit (uniform) or recomputed layers per stage (block)")
     g.add_argument("--recompute-activations", action="store_true", help="= --recompute-granularity selective")
 
     g = p.add_argument_group("data")
     g.add_argument("--data-path", nargs="+", default=None,
                    help="indexed dataset prefix(es), optionally weighted: [w1] p1 [w2] p2 ...")
-    g.add_argument("--split", default="969,30,1")
+    g.add_argument("--split", default="969,30,1",
+                   help="train,valid,test weights of --data-path (or of the embedded corpus)")
     add_tokenizer_args(g)
-    g.add_argument("--mock-data", action="store_true")
+    g.add_argument("--mock-data", action="store_true",
+                   help="random tokens instead of a dataset (Megatron's MockGPTDataset)")
     g.add_argument("--reset-attention-mask", action="store_true",
                    help="documents end at EOD tokens inside a sample (packed documents); default on for the "
                         "embedded corpus")
     g.add_argument("--reset-position-ids", action="store_true",
                    help="positions restart after EOD; that is what --reset-attention-mask does here, so it needs it")
     g.add_argument("--eod-mask-loss", action="store_true", help="no loss on EOD input tokens")
-    g.add_argument("--data-cache-path", default=None)
+    g.add_argument("--data-cache-path", default=None,
+                   help="where dataset indices and the embedded corpus are cached (default ~/.cache/megatron_hsap)")
     g.add_argument("--num-workers", type=_non_negative_int, default=2,
                    help="data-loader worker processes that read and plan the micro-batches ahead (as Megatron-LM's, "
                         "default 2); 0: read in the training process and plan in a thread there")
 
     g = p.add_argument_group("checkpointing")
-    g.add_argument("--save", default=None)
-    g.add_argument("--load", default=None)
-    g.add_argument("--save-interval", type=_positive_int, default=None)
-    g.add_argument("--no-load-optim", action="store_true")
+    g.add_argument("--save", default=None, help="checkpoint directory to save into")
+    g.add_argument("--load", default=None, help="checkpoint directory to resume from (the newest complete iteration)")
+    g.add_argument("--save-interval", type=_positive_int, default=None,
+                   help="save every this many iterations (and at the end)")
+    g.add_argument("--no-load-optim", action="store_true",
+                   help="on --load, restore the weights but not the optimizer state")
     g.add_argument("--no-load-rng", action="store_true", help="do not restore the RNG states from --load")
     g.add_argument("--finetune", action="store_true",
                    help="load only the model weights and start at iteration 0 (no optimizer, RNG or scheduler)")
+    g.add_argument("--override-opt_param-scheduler", dest="override_opt_param_scheduler", action="store_true",
+                   help="on --load, use the learning-rate schedule these flags describe, not the checkpoint's "
+                        "(Megatron-LM's flag; by default the checkpoint's schedule continues, and a start-up note "
+                        "says what it does when the flags ask for another)")
+    g.add_argument("--use-checkpoint-opt_param-scheduler", dest="use_checkpoint_opt_param_scheduler",
+                   action="store_true", help="the default here (Megatron-LM's flag): keep the checkpoint's schedule")
     g.add_argument("--use-checkpoint-args", action="store_true",
                    help="take the model-shape flags from the --load checkpoint")
     g.add_argument("--ckpt-format", choices=("torch", "torch_dist", "zarr", "torch_dcp", "fsdp_dtensor"),
@@ -257,20 +303,21 @@ def build_parser() -> argparse.ArgumentParser:
                    help="stop with an error naming iteration, rank and layer when a loss or gradient is NaN/Inf, "
                         "before the optimizer step (default on)")
     g.add_argument("--no-check-for-nan-in-loss-and-grad", dest="check_for_nan_in_loss_and_grad",
-                   action="store_false")
+                   action="store_false", help="do not stop on a NaN/Inf loss or gradient")
 
     g = p.add_argument_group("logging")
-    g.add_argument("--log-interval", type=_positive_int, default=1)
-    g.add_argument("--tensorboard-dir", default=None)
-    g.add_argument("--no-progress-bar", action="store_true")
+    g.add_argument("--log-interval", type=_positive_int, default=1,
+                   help="print the iteration line every this many iterations")
+    g.add_argument("--tensorboard-dir", default=None, help="write Megatron-LM's scalars here (needs tensorboard)")
+    g.add_argument("--no-progress-bar", action="store_true", help="no progress bar before the iteration lines")
     g.add_argument("--log-json", default=None, help="write one JSON record per iteration to this file (rank 0)")
 
     g = p.add_argument_group("Megatron-LM flags without effect on this path (accepted, listed once as ignored)")
     for flag, nargs in IGNORED_FLAGS.items():
         if nargs == 0:
-            g.add_argument(flag, action="store_const", const=True, default=None)
+            g.add_argument(flag, action="store_const", const=True, default=None, help=_IGNORED_HELP)
         else:
-            g.add_argument(flag, nargs=None if nargs == 1 else nargs, default=None)
+            g.add_argument(flag, nargs=None if nargs == 1 else nargs, default=None, help=_IGNORED_HELP)
     add_sequence_chunk_args(p)
     add_evaluation_logging_args(p)
     return p
@@ -294,7 +341,7 @@ DEMO_FLAGS = ["--nproc", "8", "--ranks-per-node", "4", "--context-parallel-size"
               "--context-parallel-mode", "hsap", "--num-layers", "2", "--hidden-size", "64",
               "--num-attention-heads", "8", "--seq-length", "1024", "--micro-batch-size", "1",
               "--global-batch-size", "1", "--train-iters", "150", "--lr", "3e-3", "--min-lr", "3e-4",
-              "--lr-warmup-iters", "10", "--log-interval", "10", "--eval-iters", "10"]
+              "--log-interval", "10", "--eval-iters", "10"]
 
 
 def parse_args(argv: Optional[List[str]] = None, world_size: Optional[int] = None) -> argparse.Namespace:
@@ -310,7 +357,7 @@ def parse_args(argv: Optional[List[str]] = None, world_size: Optional[int] = Non
     if args.demo:
         parser.error("--demo must be the first flag (later flags override the preset)")
     if world_size is None:
-        world_size = int(os.environ.get("WORLD_SIZE", args.nproc or 1))
+        world_size = args.dry_run or int(os.environ.get("WORLD_SIZE", args.nproc or 1))
     try:
         if args.use_checkpoint_args:
             from megatron_hsap.training.checkpoint import load_args_from_checkpoint
@@ -332,7 +379,9 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
     _map_megatron_flags(args)
     if world_size % (tp * pp * cp) != 0:
         raise ValueError(f"world size {world_size} is not divisible by --tensor-model-parallel-size ({tp}) x "
-                         f"--pipeline-model-parallel-size ({pp}) x --context-parallel-size ({cp})")
+                         f"--pipeline-model-parallel-size ({pp}) x --context-parallel-size ({cp}); start a multiple "
+                         f"of {tp * pp * cp} processes: --nproc {tp * pp * cp} on CPU, or torchrun --nproc-per-node "
+                         f"on GPUs")
     args.world_size = world_size
     args.data_parallel_size = world_size // (tp * pp * cp)
     if args.num_query_groups is None:
@@ -532,7 +581,8 @@ def _resolve_training_length(args: argparse.Namespace) -> None:
             args.train_iters = DEFAULT_TRAIN_ITERS
         args.lr_decay_steps = (args.lr_decay_iters or args.train_iters) * gbs
         if args.lr_warmup_iters is None:
-            args.lr_warmup_iters = 0 if args.lr_warmup_fraction is not None else DEFAULT_LR_WARMUP_ITERS
+            args.lr_warmup_iters = (0 if args.lr_warmup_fraction is not None
+                                    else min(DEFAULT_LR_WARMUP_ITERS, args.train_iters // 10))
         if args.lr_warmup_iters >= args.train_iters:
             raise ValueError(f"--lr-warmup-iters ({args.lr_warmup_iters}) must be smaller than --train-iters "
                              f"({args.train_iters})")
@@ -625,8 +675,8 @@ def add_evaluation_logging_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--log-throughput", action="store_true",
                    help="print model TFLOP/s per GPU (Megatron-LM's formula) on each iteration line")
     g.add_argument("--wandb-project", default=None, help="log the scalars to this W&B project (needs wandb)")
-    g.add_argument("--wandb-exp-name", default=None)
-    g.add_argument("--wandb-save-dir", default=None)
+    g.add_argument("--wandb-exp-name", default=None, help="W&B run name")
+    g.add_argument("--wandb-save-dir", default=None, help="W&B local directory")
 
 
 def validate_evaluation_logging_args(args: argparse.Namespace) -> None:

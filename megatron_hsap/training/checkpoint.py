@@ -472,8 +472,34 @@ def _read_and_apply(root: str, path: str, iteration: int, model: List[Any], opti
         with _torch_adam_steps(optimizer):
             optimizer.load_state_dict(state["optimizer"])
     if scheduler is not None:
+        schedule_note = _schedule_change_note(scheduler, state["opt_param_scheduler"])
         scheduler.load_state_dict(state["opt_param_scheduler"])
+        if schedule_note:
+            state["schedule_note"] = schedule_note
     return state
+
+
+#: The scheduler fields a resumed run may be asked to change (Megatron's OptimizerParamScheduler state names).
+_SCHEDULE_FIELDS = ("max_lr", "min_lr", "lr_warmup_steps", "lr_decay_steps", "lr_decay_style")
+
+
+def _schedule_change_note(scheduler: Any, saved: Dict[str, Any]) -> str:
+    """What happens to the learning rate when the flags ask for a schedule other than the checkpoint's ('' when
+    they do not): a longer run on the checkpoint's schedule otherwise sits at min-lr without a word."""
+    asked = {name: getattr(scheduler, name) for name in _SCHEDULE_FIELDS}
+    differ = [name for name in _SCHEDULE_FIELDS if name in saved and saved[name] != asked[name]]
+    if not differ:
+        return ""
+    change = ", ".join(f"{name} {saved[name]} (the flags: {asked[name]})" for name in differ)
+    if scheduler.override_opt_param_scheduler:
+        return (f"note: --override-opt_param-scheduler: the flags' learning-rate schedule replaces the "
+                f"checkpoint's {change}")
+    after = ""
+    if saved.get("lr_decay_steps") is not None and asked["lr_decay_steps"] > saved["lr_decay_steps"]:
+        after = (f"; the learning rate reaches min-lr {saved.get('min_lr')} at sample {saved['lr_decay_steps']} and "
+                 f"stays there")
+    return (f"note: the checkpoint's learning-rate schedule continues (as Megatron-LM by default): {change}{after}; "
+            "--override-opt_param-scheduler uses the flags' schedule instead")
 
 
 def _raise_on_every_rank(problems: List[str]) -> None:
@@ -530,6 +556,8 @@ def load_checkpoint(root: str, model: List[Any], optimizer: Any, scheduler: Any,
                                 None if args.finetune else scheduler, metadata, args, load_rng)
         if not load_optim:  # the optimizer's main (fp32) copies would otherwise keep the initial weights
             optimizer.reload_model_params()
+    if state.get("schedule_note"):
+        notes.append(state["schedule_note"])
     if load_rng and not _restore_rng(state["rng_state"]):
         notes.append("note: the checkpoint's RNG state is from another device kind (CPU vs CUDA); not restored")
     if rank0:

@@ -202,21 +202,25 @@ class IterationLogger:
             self._json.write(json.dumps(asdict(rec)) + "\n")
             self._json.flush()
 
-    def evaluation(self, split: str, prefix: str, loss: float, iteration: int, consumed_samples: int) -> None:
+    def evaluation(self, split: str, prefix: str, loss: float, iteration: int, consumed_samples: int,
+                   detail: str = "") -> None:
         """Megatron-LM's evaluation block ``validation loss at <prefix> | lm loss value | lm loss PPL`` (the
         same words for the test split, as Megatron-LM: the prefix says "on test set"), scalars
-        ``lm loss <split>`` and ``lm loss <split> ppl`` (``split``: 'validation' or 'test')."""
+        ``lm loss <split>`` and ``lm loss <split> ppl`` (``split``: 'validation' or 'test'). ``detail`` (which
+        evaluation, which batches) follows as a last field, so a periodic and a final evaluation at the same
+        iteration read apart while Megatron-LM's fields keep their place."""
         if not self.enabled:
             return
         ppl = math.exp(min(20.0, loss))
         text = f" validation loss at {prefix} | lm loss value: {loss:.6E} | lm loss PPL: {ppl:.6E} | "
+        text += f"{detail} | " if detail else ""
         print("-" * (len(text) + 1), text, "-" * (len(text) + 1), sep="\n", flush=True)
         for tag, value in ((f"lm loss {split}", loss), (f"lm loss {split} ppl", ppl)):
             self._scalar(tag, value, iteration)
             self._scalar(f"{tag} vs samples", value, consumed_samples)
         if self._json is not None:
             self._json.write(json.dumps({"evaluation": split, "iteration": iteration, "lm_loss": loss,
-                                         "ppl": ppl}) + "\n")
+                                         "ppl": ppl, "detail": detail}) + "\n")
             self._json.flush()
 
     def close(self) -> None:

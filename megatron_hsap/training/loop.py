@@ -40,6 +40,7 @@ from megatron_hsap.training.iteration_log import IterationLogger, IterationRecor
 from megatron_hsap.sequence.prefetch import plan_ahead
 from megatron_hsap.training.packing import PackedMicroBatch, document_cu_seqlens, pack_micro_batch
 from megatron_hsap.training.plan_workers import plan_in_workers
+from megatron_hsap.training.startup import configuration_lines
 
 __all__ = ["pretrain", "forward_packed"]
 
@@ -67,6 +68,16 @@ def _check_heads(args: argparse.Namespace, topology: Any) -> None:
         raise ValueError(f"--head-chunk-size with --num-attention-heads ({args.num_attention_heads}) / "
                          f"--tensor-model-parallel-size ({args.tensor_model_parallel_size}) and Ulysses size "
                          f"{topology.ulysses_size}: {err}") from None
+
+
+def _kernel_description(requested: str) -> str:
+    """The attention kernel this run uses and why (``auto``'s choice on this machine)."""
+    from megatron_hsap.kernels import get_kernel
+
+    if requested != "auto":
+        return f"{requested} (--attention-kernel)"
+    return (f"{get_kernel('auto').name} (--attention-kernel auto: the first available of "
+            f"{'te, flash, torch' if torch.cuda.is_available() else 'cpu_fused, torch'} on this machine)")
 
 
 def _planned_micro_batches(args: argparse.Namespace, dataset: Any, dp_rank: int, first: int, stop: Optional[int],
@@ -272,7 +283,8 @@ def _train(args: argparse.Namespace, signals: Any, started: float) -> List[Itera
         optimizer, init_lr=0.0, max_lr=args.lr, min_lr=args.min_lr,
         lr_warmup_steps=args.lr_warmup_steps, lr_decay_steps=args.lr_decay_steps, lr_decay_style=args.lr_decay_style,
         start_wd=args.weight_decay, end_wd=args.weight_decay, wd_incr_steps=args.wd_incr_steps,
-        wd_incr_style="constant")
+        wd_incr_style="constant", override_opt_param_scheduler=args.override_opt_param_scheduler,
+        use_checkpoint_opt_param_scheduler=not args.override_opt_param_scheduler)
     start = 0
     if args.load is not None:
         progress.set_phase("loading checkpoint")
@@ -284,11 +296,9 @@ def _train(args: argparse.Namespace, signals: Any, started: float) -> List[Itera
                                         partial(_check_then_finalize, nan_check, finalize_model_grads))
     config.no_sync_func = [m.no_sync for m in model] if len(model) > 1 else model[0].no_sync
     layout = cp_config.resolved_layout
-    log.info(f"megatron-hsap: world {args.world_size} = TP {args.tensor_model_parallel_size} x PP "
-             f"{args.pipeline_model_parallel_size} x CP {args.context_parallel_size} x DP {args.data_parallel_size}; "
-             f"mode {cp_config.mode}, ulysses {topology.ulysses_size} x ring {topology.ring_size}, layout {layout}, "
-             f"nodes {topology.num_nodes}; {sum(p.numel() for m in model for p in m.parameters())} parameters "
-             f"on rank 0")
+    for line in configuration_lines(args, topology, cp_config, _kernel_description(cp_config.kernel)):
+        log.info(line)
+    log.info(f"megatron-hsap: model: {sum(p.numel() for m in model for p in m.parameters())} parameters on rank 0")
 
     device = next(model[0].parameters()).device
     dp_rank = mpu.get_data_parallel_rank()
@@ -354,7 +364,7 @@ def _train(args: argparse.Namespace, signals: Any, started: float) -> List[Itera
         log.record(record)
         if valid_dataset is not None and iteration % args.eval_interval == 0:
             _log_evaluation(evaluator, log, valid_dataset, "validation", iteration // args.eval_interval - 1,
-                            f"iteration {iteration}", iteration, args)
+                            f"iteration {iteration}", iteration, args, "periodic")
         reason = exit_reason(signals, started, args.exit_duration_in_mins, device) if check_exit else ""
         if args.exit_interval and iteration % args.exit_interval == 0:
             reason = reason or f"--exit-interval {args.exit_interval}"
@@ -371,10 +381,10 @@ def _train(args: argparse.Namespace, signals: Any, started: float) -> List[Itera
     else:  # training completed (no early exit): Megatron-LM's final validation and test evaluations
         if valid_dataset is not None:
             _log_evaluation(evaluator, log, valid_dataset, "validation", args.train_iters // args.eval_interval,
-                            f"iteration {iteration} on validation set", iteration, args)
+                            f"iteration {iteration} on validation set", iteration, args, "final")
         if test_dataset is not None:
             _log_evaluation(evaluator, log, test_dataset, "test", 0, f"iteration {iteration} on test set",
-                            iteration, args)
+                            iteration, args, "final")
     if records:
         log.info(f"done: lm loss {records[0].loss:.4f} (iteration {records[0].iteration}) -> "
                  f"{records[-1].loss:.4f} (iteration {records[-1].iteration})")
@@ -383,7 +393,11 @@ def _train(args: argparse.Namespace, signals: Any, started: float) -> List[Itera
 
 
 def _log_evaluation(evaluator: _Evaluator, log: IterationLogger, dataset: Any, split: str, index: int, prefix: str,
-                    iteration: int, args: argparse.Namespace) -> None:
+                    iteration: int, args: argparse.Namespace, kind: str) -> None:
+    """One evaluation, labelled with its kind (``periodic`` or ``final``) and the split's global batches it read,
+    so two evaluations at the same iteration never carry the same label."""
     progress.set_phase("evaluation", iteration)
     loss = evaluator.loss(dataset, index, f"{split} ")
-    log.evaluation(split, prefix, loss, iteration, iteration * args.global_batch_size)
+    first = index * args.eval_iters
+    log.evaluation(split, prefix, loss, iteration, iteration * args.global_batch_size,
+                   detail=f"{kind} evaluation of {split} batches {first}-{first + args.eval_iters - 1}")
