@@ -189,8 +189,8 @@ def _forward_backward_bytes(plan: BatchPlan, candidate: Candidate, heads_q: int,
 
     hsap (head chunks): ``upipe.predicted_stage_comm`` of every rank. The other modes: ``BatchPlan.stats``'
     forward (the all-to-all of q, k, v and the output; the ring's K/V) and what ``context_parallel_attention``'s
-    backward sends: the all-to-alls once more (dout in, dq/dk/dv back), the ring's K/V twice (K/V re-sent, dK/dV
-    returned)."""
+    backward sends: the all-to-alls once more (dout in, dq/dk/dv back), the ring's K/V again and the dK/dV of the
+    rows this rank received."""
     topo = plan.topology
     out = []
     if candidate.mode == "hsap":
@@ -208,14 +208,19 @@ def _forward_backward_bytes(plan: BatchPlan, candidate: Candidate, heads_q: int,
                         sent[("ring" if op.startswith("ring") else "a2a", where)] += nbytes
             out.append((dict(fwd_sent), dict(bwd_sent)))
         return out
+    if topo.ulysses_spans_nodes():
+        raise ValueError("attention_step_bytes: a Ulysses group across nodes is not modelled (the configurator keeps "
+                         "every all-to-all inside a node)")
     stats = plan.stats(heads_q, heads_kv, head_dim, dtype)
-    a2a_where = "inter" if topo.ulysses_spans_nodes() else "intra"
     for c in range(topo.cp_size):
-        ring = stats.ring_send_bytes[c]
-        a2a = stats.send_bytes_intra[c] + stats.send_bytes_inter[c] - ring
-        ring_inter = stats.send_bytes_inter[c] - (a2a if a2a_where == "inter" else 0)
-        fwd = {("a2a", a2a_where): a2a, ("ring", "inter"): ring_inter, ("ring", "intra"): ring - ring_inter}
-        out.append((fwd, {key: (2 if key[0] == "ring" else 1) * nbytes for key, nbytes in fwd.items()}))
+        sent, received = stats.ring_send_bytes[c], stats.ring_recv_bytes[c]
+        a2a = stats.send_bytes_intra[c] + stats.send_bytes_inter[c] - sent
+        fwd = {("a2a", "intra"): a2a, ("ring", "inter"): stats.send_bytes_inter[c],
+               ("ring", "intra"): sent - stats.send_bytes_inter[c]}
+        # Backward: K/V re-sent as in the forward; dK/dV of the rows received go back to where they came from.
+        bwd = {("a2a", "intra"): a2a, ("ring", "inter"): stats.send_bytes_inter[c] + stats.recv_bytes_inter[c],
+               ("ring", "intra"): sent - stats.send_bytes_inter[c] + received - stats.recv_bytes_inter[c]}
+        out.append((fwd, bwd))
     return out
 
 
