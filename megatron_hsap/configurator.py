@@ -49,17 +49,20 @@ _LINEAR_FWD_BWD, _ATTENTION_FWD_BWD = 3.0, 3.5
 @dataclass(frozen=True)
 class Hardware:
     """One GPU and its links. ``tflops``: bf16 dense peak; ``efficiency``: the fraction of it matmuls and attention
-    kernels reach; ``intra_gbps`` / ``inter_gbps``: GB/s one GPU sends inside its node / to another node."""
+    kernels reach; ``intra_gbps`` / ``inter_gbps``: GB/s one GPU sends inside its node / to another node;
+    ``host_gbps``: GB/s between the GPU and host memory (layer-checkpoint offload)."""
 
     name: str
     tflops: float
     intra_gbps: float
     inter_gbps: float
     efficiency: float = 0.5
+    host_gbps: float = 50.0
 
 
 #: Public figures: bf16 dense peak (NVIDIA's datasheets: H100 SXM 989 TFLOP/s, H200 the same chip), NVLink 4
-#: 900 GB/s per GPU both ways (450 one way), one 400 Gb/s NDR InfiniBand port per GPU (50 GB/s).
+#: 900 GB/s per GPU both ways (450 one way), one 400 Gb/s NDR InfiniBand port per GPU (50 GB/s), PCIe 5.0 x16
+#: (64 GB/s one way; 50 reached) to host memory.
 HARDWARE: Dict[str, Hardware] = {
     "h100": Hardware("H100 SXM", 989.0, 450.0, 50.0),
     "h200": Hardware("H200 SXM", 989.0, 450.0, 50.0),
@@ -303,7 +306,9 @@ def predict(candidate: Candidate, model: ModelShape, seq_length: int, batches: S
     group = c.cp * c.dp  # gradients are reduced over the data-parallel x CP ranks
     reduce_bw = bandwidth["inter" if group * c.tp > gpus_per_node else "intra"]
     grad_s = 2 * parameter_count(model, c.tp) * 4 * (group - 1) / group / reduce_bw
-    exposed = model.layers * layer_exposed + grad_s
+    # Offload copies each layer's input to the host in the forward and back in the backward, synchronously.
+    offload_s = 2 * t * model.hidden * 2 / (hardware.host_gbps * 1e9) if c.recompute == "offload" else 0.0
+    exposed = model.layers * (layer_exposed + offload_s) + grad_s
     step = compute + exposed
     intra = max(b.get(("a2a", "intra"), 0) + b.get(("ring", "intra"), 0) for b in per_rank)
     inter = max(b.get(("a2a", "inter"), 0) + b.get(("ring", "inter"), 0) for b in per_rank)

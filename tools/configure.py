@@ -110,11 +110,13 @@ def draw(path: str, rows: Sequence[Prediction], device_gib: float, caption: str)
               f"U{p.candidate.head_chunk} {p.candidate.recompute}" for i, p in enumerate(rows, 1)]
     x = range(len(rows))
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(max(8, 1.3 * len(rows)), 8), sharex=True)
-    top.bar(x, [p.compute_s for p in rows], label="compute", color="tab:blue")
-    top.bar(x, [p.exposed_comm_s for p in rows], bottom=[p.compute_s for p in rows],
-            label="exposed communication", color="tab:orange")
-    top.set_ylabel("predicted step time (s)")
-    top.legend(loc="upper left", fontsize=9)
+    # Per sample (step time / DP): configurations with other DP sizes train the same tokens in comparable time.
+    compute = [p.compute_s / p.candidate.dp for p in rows]
+    top.bar(x, compute, label="compute", color="tab:blue")
+    top.bar(x, [p.exposed_comm_s / p.candidate.dp for p in rows], bottom=compute, label="exposed communication",
+            color="tab:orange")
+    top.set_ylabel("predicted time per sample (s)\n(step time / DP)")
+    top.legend(loc="lower right", fontsize=9)
     bottom.bar(x, [p.peak_bytes / GiB for p in rows], color=["tab:green" if p.fits else "tab:red" for p in rows])
     bottom.axhline(device_gib, color="black", linestyle="--", linewidth=1, label=f"device {device_gib:g} GiB")
     bottom.set_ylabel("predicted peak memory per GPU (GiB)")
@@ -158,7 +160,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         p.error(str(err))
     base = HARDWARE[args.gpu]
     hw = Hardware(base.name, args.tflops or base.tflops, args.intra_gbps or base.intra_gbps,
-                  args.inter_gbps or base.inter_gbps, args.efficiency or base.efficiency)
+                  args.inter_gbps or base.inter_gbps, args.efficiency or base.efficiency, base.host_gbps)
     candidates = enumerate_candidates(model, args.nodes, args.gpus_per_node)
     ranked = distinct(rank_predictions(predict(c, model, args.seq_length, batches, hw, args.device_gib,
                                                args.gpus_per_node) for c in candidates))
@@ -168,7 +170,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
           f"({'mix ' + args.length_mix if args.length_mix else 'bucket-histogram mix'}, {len(batches)} batch(es))")
     print(f"# hardware ({hw.name}): {hw.tflops:g} TFLOP/s bf16 dense peak at {hw.efficiency:.0%} efficiency, "
           f"{hw.intra_gbps:g} GB/s per GPU inside a node (NVLink), {hw.inter_gbps:g} GB/s across nodes "
-          f"(InfiniBand); {len(candidates)} configurations; bytes per layer and GPU for one step (forward, "
+          f"(InfiniBand), {hw.host_gbps:g} GB/s to host memory (offload); {len(candidates)} configurations; bytes per layer and GPU for one step (forward, "
           f"backward, recomputed forward); DP x one sample per step")
     print(format_table(ranked[:args.top], args.device_gib))
     best = ranked[0]
@@ -187,8 +189,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                   f"tokens ({deepest.candidate.describe()}, recompute {deepest.candidate.recompute})")
     if args.plot:
         draw(args.plot, ranked[:args.top], args.device_gib,
-             f"{model.name}, {args.nodes} x {args.gpus_per_node} GPUs, {args.seq_length:,} tokens: predicted step "
-             f"time and peak memory of the {min(args.top, len(ranked))} best configurations")
+             f"{model.name} on {args.nodes} x {args.gpus_per_node} GPUs, samples of {args.seq_length:,} tokens:\n"
+             f"predicted time per sample and peak memory per GPU of the {min(args.top, len(ranked))} best "
+             f"configurations (ranked by tokens/s)")
         print(f"wrote {args.plot}")
     return 0
 
