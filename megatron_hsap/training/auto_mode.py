@@ -54,11 +54,15 @@ def resolve_auto_mode(args: argparse.Namespace) -> str:
     if c.mode == "hsap":
         args.head_chunk_size = c.head_chunk
     others = "; ".join(f"{p.candidate.mode} U {p.candidate.head_chunk}: {_time(p.step_s)}, "
-                       f"{p.peak_bytes / GiB:.2f} GiB" for p in compared[1:4])
+                       f"{_size(p.peak_bytes)}" for p in compared[1:4])
     verdict = "fits" if best.fits else "does NOT fit (the least memory of all)"
     return (f"--context-parallel-mode auto: {c.describe()} -- predicted {_time(best.step_s)} per step on H100s, "
-            f"peak {best.peak_bytes / GiB:.2f} GiB per GPU ({verdict} {where}; documents of the bucket histogram); "
+            f"peak {_size(best.peak_bytes)} per GPU ({verdict} {where}; documents of the bucket histogram); "
             f"next: {others or 'no other mode is valid here'}")
+
+
+def _size(nbytes: int) -> str:
+    return f"{nbytes / GiB:.2f} GiB" if nbytes >= GiB else f"{nbytes / 2 ** 20:.1f} MiB"
 
 
 def _time(seconds: float) -> str:
