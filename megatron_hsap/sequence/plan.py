@@ -74,6 +74,8 @@ class PlanStats:
     #: The ring's key/value bytes among ``send_bytes_*`` (what a sliding window shrinks).
     ring_send_bytes: List[int]
     recv_bytes_inter_forwarded: List[int]
+    #: The ring's key/value bytes among ``recv_bytes_*`` (the backward returns their gradients to the senders).
+    ring_recv_bytes: List[int]
 
     def __getitem__(self, key: str) -> List[int]:
         return getattr(self, key)
@@ -423,7 +425,7 @@ class BatchPlan:
 
         send_intra, send_inter = [0] * cp, [0] * cp
         recv_intra, recv_inter = [0] * cp, [0] * cp
-        ring_send = [0] * cp
+        ring_send, ring_recv = [0] * cp, [0] * cp
 
         def add(src: int, dst: int, nbytes: int) -> None:
             if nbytes == 0:
@@ -450,6 +452,7 @@ class BatchPlan:
                         row_bytes = 2 * kv_heads[u] * head_dim * elem
                         add(b * ulysses + u, a * ulysses + u, rows * row_bytes)
                         ring_send[b * ulysses + u] += rows * row_bytes
+                        ring_recv[a * ulysses + u] += rows * row_bytes
         # With forwarding a node receives, from each remote member, the rows any of its members needs:
         # the node's pieces of a document taken together, causal limit = the latest query of any member.
         row_bytes = 2 * sum(kv_heads) * head_dim * elem  # every Ulysses rank's KV heads of one row
@@ -466,7 +469,7 @@ class BatchPlan:
                        for b in range(ring) if node_of_member[b] != node)
             forwarded.append(rows * row_bytes)
         return PlanStats(tokens, padding, flops, send_intra, send_inter, recv_intra, recv_inter, ring_send,
-                         forwarded)
+                         forwarded, ring_recv)
 
 
 def needed_rows(q_docs: Dict[int, List[Piece]], k_docs: Dict[int, List[Piece]], causal: bool,

@@ -157,8 +157,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="CP: ranks sharing each sequence (see --context-parallel-mode)")
     g.add_argument("--sequence-parallel", action="store_true",
                    help="with TP > 1: shard norms and dropout over the TP ranks along the sequence")
-    g.add_argument("--context-parallel-mode", choices=MODES, default=None,
-                   help="default hsap, or what --cp-comm-type names")
+    g.add_argument("--context-parallel-mode", choices=MODES + ("auto",), default=None,
+                   help="default hsap, or what --cp-comm-type names; auto: the mode, Ulysses size and head chunks "
+                        "the configurator predicts fastest within the memory (docs/configure.md)")
     g.add_argument("--cp-comm-type", nargs="+", choices=tuple(CP_COMM_TYPES) + ("allgather",), default=None,
                    help="Megatron-LM's name for the mode: p2p = ring, a2a = ulysses, a2a+p2p = hybrid (one type "
                         "for all layers)")
@@ -463,6 +464,10 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
     if args.nproc is not None and "WORLD_SIZE" in os.environ and int(os.environ["WORLD_SIZE"]) != args.nproc:
         raise ValueError(f"--nproc ({args.nproc}) conflicts with the launcher's WORLD_SIZE "
                          f"({os.environ['WORLD_SIZE']})")
+    if args.context_parallel_mode == "auto":
+        from megatron_hsap.training.auto_mode import resolve_auto_mode
+
+        args.compat_notes.append(resolve_auto_mode(args))
     cp_config_from_args(args)
     resolve_sequence_chunks(args)
     if args.ignored_flags:
