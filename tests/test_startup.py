@@ -74,3 +74,10 @@ def test_gpu_examples_pass_their_dry_run(script: str, world: int) -> None:
                             timeout=300)
     assert result.returncode == 0, result.stderr
     assert f"dry run for {world} ranks" in result.stdout and "predicted peak per GPU" in result.stdout
+
+
+def test_every_flag_says_what_it_does() -> None:
+    from megatron_hsap.training.arguments import build_parser
+
+    silent = [a.option_strings[0] for a in build_parser()._actions if a.option_strings and not a.help]
+    assert silent == []
