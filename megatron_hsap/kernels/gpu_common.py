@@ -121,7 +121,14 @@ def _row_index(segments: Tuple[Segment, ...], device: torch.device) -> torch.Ten
 
 def signature_parameters(fn: Callable) -> Dict[str, inspect.Parameter]:
     """Parameters of ``fn`` as installed; a ``torch.library.custom_op`` (flash-attn >= 2.7 wraps its
-    low-level functions in one) exposes only ``(*args, **kwargs)`` and keeps the function in ``_init_fn``."""
+    low-level functions in one) exposes only ``(*args, **kwargs)`` and keeps the function in ``_init_fn``;
+    a ``torch.ops`` operator (``torch.ops.aten._flash_attention_forward``) has its registered schema."""
+    schema = getattr(getattr(fn, "default", None), "_schema", None)
+    if schema is not None:
+        return {a.name: inspect.Parameter(a.name, inspect.Parameter.KEYWORD_ONLY if a.kwarg_only else
+                                          inspect.Parameter.POSITIONAL_OR_KEYWORD,
+                                          default=a.default_value if a.has_default_value() else inspect.Parameter.empty)
+                for a in schema.arguments}
     return dict(inspect.signature(getattr(fn, "_init_fn", fn)).parameters)
 
 
