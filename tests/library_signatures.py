@@ -267,3 +267,43 @@ FLASH_RELEASES = {
             'softcap, alibi_slopes, deterministic, rng_state=None, zero_tensors=False)'),
     ),
 }
+
+#: PyTorch's fused varlen flash attention, per release (the 'torch_flash' kernel):
+#: ``varlen_attn``: the public ``torch.nn.attention.varlen.varlen_attn`` (None: not in that release), read from
+#: the release's API reference (docs.pytorch.org/docs/<release>/nn.attention.varlen.html; 2.9 = the "stable"
+#: page of Oct 2025, 2.10 = the page built from main before the 2.10 branch, the 2.10 tag itself not read)
+#: and, for 2.13, from the installed torch 2.13.0 (``inspect.signature``); ``aten_fwd`` / ``aten_bwd``: the
+#: schemas of ``aten::_flash_attention_forward`` / ``_flash_attention_backward`` (native_functions.yaml;
+#: 2.13 from the installed operator's ``_schema``; earlier releases from the schema as quoted by projects that
+#: pin it per release: ``block_table`` / ``num_splits`` arrived with the public function's paged-KV
+#: parameters, 2.12). PyTorch 2.11 is not transcribed: its sources were not available here.
+_ATEN_FWD_BASE = (
+    "_flash_attention_forward(Tensor query, Tensor key, Tensor value, Tensor? cum_seq_q, Tensor? cum_seq_k, "
+    "SymInt max_q, SymInt max_k, float dropout_p, bool is_causal, bool return_debug_mask, *, float? scale=None, "
+    "SymInt? window_size_left=None, SymInt? window_size_right=None, Tensor? seqused_k=None, "
+    "Tensor? alibi_slopes=None{extra}) -> (Tensor output, Tensor softmax_logsumexp, Tensor rng_state, "
+    "Tensor unused, Tensor debug_attn_mask)")
+_ATEN_BWD = (
+    "_flash_attention_backward(Tensor grad_out, Tensor query, Tensor key, Tensor value, Tensor out, "
+    "Tensor logsumexp, Tensor cum_seq_q, Tensor cum_seq_k, SymInt max_q, SymInt max_k, float dropout_p, "
+    "bool is_causal, Tensor rng_state, Tensor unused, *, float? scale=None, SymInt? window_size_left=None, "
+    "SymInt? window_size_right=None) -> (Tensor, Tensor, Tensor)")
+_VARLEN_PAGED = (
+    "(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None, window_size=(-1, -1), "
+    "enable_gqa=False, seqused_k=None, block_table=None, num_splits=None)")
+
+TORCH_RELEASES = {
+    "2.9": dict(
+        varlen_attn="(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, is_causal=False, return_aux=None)",
+        aten_fwd=_ATEN_FWD_BASE.format(extra=""), aten_bwd=_ATEN_BWD),
+    "2.10": dict(
+        varlen_attn=("(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None, "
+                     "window_size=(-1, -1))"),
+        aten_fwd=_ATEN_FWD_BASE.format(extra=""), aten_bwd=_ATEN_BWD),
+    "2.12": dict(
+        varlen_attn=_VARLEN_PAGED,
+        aten_fwd=_ATEN_FWD_BASE.format(extra=", Tensor? block_table=None, int? num_splits=None"), aten_bwd=_ATEN_BWD),
+    "2.13": dict(
+        varlen_attn=_VARLEN_PAGED,
+        aten_fwd=_ATEN_FWD_BASE.format(extra=", Tensor? block_table=None, int? num_splits=None"), aten_bwd=_ATEN_BWD),
+}

@@ -73,28 +73,28 @@ class AutoKernel:
 
     def kernel_for(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                    blocks: AttentionBlocks) -> AttentionKernel:
-        """The kernel for this call's shape (q ``[t_q, h_q, d]``, k/v ``[t_k, h_kv, d]``); bad input (any kernel's
-        ValueError on the last kernel) raises."""
+        """The kernel for this call's shape (q ``[t_q, h_q, d]``, k/v ``[t_k, h_kv, d]``): the first whose input
+        checks accept it, else the last (the reference kernel, which raises on input no kernel takes)."""
         key = (q.dtype, q.device.type, q.shape[1], k.shape[1], q.shape[2])
         chosen = self._chosen.get(key)
         if chosen is not None:
             return chosen
         refusals = []
-        for kernel in self.kernels:
+        for kernel in self.kernels[:-1]:
             try:
                 type(kernel).check_inputs(q, k, v, blocks)
             except ValueError as err:
-                if kernel is self.kernels[-1]:
-                    raise
                 refusals.append(f"{kernel.name!r}: {err}")
                 continue
-            if refusals:
-                warn_once_on_rank0(_log, f"megatron_hsap: attention kernel 'auto' uses {kernel.name!r} for dtype "
-                                         f"{q.dtype}, {q.shape[1]}/{k.shape[1]} heads, head_dim {q.shape[2]}, not "
-                                         + "; ".join(refusals))
-            self._chosen[key] = kernel
-            return kernel
-        raise AssertionError("the last kernel accepts every valid input")
+            break
+        else:  # the reference kernel: its own checks report bad input
+            kernel = self.kernels[-1]
+        if refusals:
+            warn_once_on_rank0(_log, f"megatron_hsap: attention kernel 'auto' uses {kernel.name!r} for dtype "
+                                     f"{q.dtype}, {q.shape[1]}/{k.shape[1]} heads, head_dim {q.shape[2]}, not "
+                                     + "; ".join(refusals))
+        self._chosen[key] = kernel
+        return kernel
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, blocks: AttentionBlocks,
                 softmax_scale: float) -> Tuple[torch.Tensor, torch.Tensor]:
