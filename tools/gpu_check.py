@@ -1,42 +1,19 @@
 #!/usr/bin/env python
-"""Prepared GPU validation: kernel equivalence, per-stage throughput, per-rank memory, a short training run.
+"""Staged GPU validation: S0 environment, S1 kernels vs fp64, S2 one rank, S3 several ranks on one GPU,
+S4 training runs, S5 speed; each stage in its own subprocess with its own time cap.
 
-    python tools/gpu_check.py OUT_DIR                  # on one GPU (budgeted to end within 8 minutes)
-    python tools/gpu_check.py OUT_DIR --device cpu     # smoke run of sections 1-3 with tiny sizes
+    python tools/gpu_check.py [OUT_DIR]              # one GPU, at most 9 minutes; OUT_DIR defaults to $OUT
+    python tools/gpu_check.py OUT_DIR --dry-run      # every stage on CPU (gloo, reference kernel, tiny shapes)
 
-Writes OUT_DIR/gpu_check.json (every figure) and OUT_DIR/gpu_check.md (tables),
-rewritten after each section so a run cut short still leaves what it measured.
-Each section is guarded: a failure is recorded with its traceback and the next
-section runs. What each figure means is documented in docs/gpu.md.
+Writes OUT_DIR/<stage>.json from each stage and OUT_DIR/gpu_check.json (every stage so far)
+after each stage, so a run cut short still returns what it measured, and prints one line per
+stage. What each stage checks and measures, the caps and the one-run recipe: docs/gpu.md.
 
-1. equivalence: the 'flash' / 'te' kernels against the 'torch' kernel in fp32 on
-   packed batches (document lengths from sample_doc_lengths), forward and
-   backward in bf16; a case passes when its error against fp32 is at most 2x
-   (out, lse) / 3x (dq, dk, dv) the error of plain dense attention computed in
-   bf16, the criterion (and baseline) of flash-attn's own tests.
-2. throughput: TFLOP/s from the mask area (forward 4*area*h_q*d, backward 2.5x)
-   of one causal sequence of L tokens for the heads one rank holds in plain
-   Ulysses (H/C query heads) and in one UPipe stage (U/C query heads), Llama3-8B
-   head shape; the ratio stage/all is the cost of head chunking (REFERENCE.md 1.1).
-3. memory: the package's own attention (context_parallel_attention for plain
-   Ulysses, head_chunked_attention for UPipe stages) in a one-process job (CP = 1,
-   all-to-alls are identity) on the per-rank length of a 5M-token context on 8
-   ranks, halved until it fits: the same Q/K/V elements per rank as the 8-way job,
-   without its all-to-all buffers. Peak memory of one Llama3-8B attention block
-   (QKV projection, attention, output projection) forward+backward, and of a full
-   layer (norms, attention block, sequence-tiled SwiGLU MLP) under full
-   activation recomputation.
-4. training: the real training step, launched as users launch it (torchrun, one rank,
-   LOCAL_RANK -> torch.cuda.set_device, NCCL): pretrain_gpt_hsap.py at CP=1, bf16, mock
-   data, with validation every few iterations, the final validation/test evaluations
-   (forward-only schedule) and --log-throughput. It exercises the device path: packed
-   micro-batches and cu_seqlens moved to the GPU, loss/byte-counter reductions on CUDA
-   tensors over NCCL, Megatron's fusions on. Passes when it exits 0, the loss falls
-   and every evaluation loss is finite.
-
-One GPU cannot run CP > 1 (NCCL refuses two ranks of one communicator on one
-device; gloo has no all-to-all for CUDA tensors): the collectives are checked by
-the multi-process CPU tests, not here.
+Kernel figures: TFLOP/s from the mask area (forward 4*area*h_q*d, backward 2.5x) of one causal
+sequence for the heads one rank holds in plain Ulysses (H/C query heads) and in one UPipe stage
+(U/C); the ratio stage/all is the kernel-level cost of head chunking (the UPipe paper's premise
+that attention is compute-bound at long context). Memory: the package's own attention at CP = 1
+(all-to-alls are identity) on the per-rank tokens of an 8-way job, Llama-3-8B shapes.
 """
 
 from __future__ import annotations
@@ -275,7 +252,8 @@ def check_head_layout(sizes: Sizes) -> None:
 def rank_heads(sizes: Sizes) -> Dict[str, Tuple[int, int]]:
     """(query heads, KV heads) one rank attends with after the all-to-all: plain Ulysses vs one UPipe stage.
 
-    A stage's U query heads take one head per KV group (REFERENCE.md 1.1), so it needs min(U, H_kv) KV heads.
+    A stage's U query heads take one head per KV group (the UPipe paper's GQA schedule), so it needs
+    min(U, H_kv) KV heads.
     """
     C, U = sizes.cp, sizes.stage_heads
     return {"ulysses_all_heads": (sizes.heads // C, sizes.kv_heads // C),
@@ -461,7 +439,7 @@ def section_memory(sizes: Sizes, device: torch.device, kernel_name: str, budget_
                         rows.append({"scope": scope, "kind": kind, "context": context, "tokens_per_rank": n, "cp": C,
                                      "stage_heads": heads, "peak_bytes": peak,
                                      "peak_gib": peak / 2 ** 30, "fwd_bwd_s": seconds,
-                                     # REFERENCE.md 1.1: bf16 Q/K/V + their all-to-all outputs, MHA count
+                                     # the UPipe paper's count: bf16 Q/K/V + their all-to-all outputs, MHA
                                      "formula_bytes_mha": 12 * n * heads * d})
                         x = grad_y = None  # free before the next configuration
                         for p in params.values():
@@ -580,6 +558,11 @@ STAGE_CAPS_S = {"S0": 30, "S1": 90, "S2": 90, "S3": 150, "S4": 120, "S5": 60}
 DRY_RUN_CAP_S = 240  # per stage on CPU: generous, the suite's machine may be shared
 
 
+def stage_cap_s(stage: str, device: torch.device) -> float:
+    """Seconds ``stage`` may take: its GPU cap, or the dry run's on CPU."""
+    return STAGE_CAPS_S[stage] if device.type == "cuda" else DRY_RUN_CAP_S
+
+
 def _kernels_here(device: torch.device) -> List[str]:
     """The fused kernels S1 checks: torch_flash and whichever of TE / flash-attn load; the reference kernel
     stands in for them on the CPU dry run."""
@@ -659,7 +642,7 @@ def stage_s2(sizes: Sizes, device: torch.device, out_dir: str) -> dict:
         exact = _attention_block("ulysses", x, wqkv, wo.t(), plan, sizes)
         errors["ulysses_block_out"] = _max_rel_err(plain, exact)
         errors["upipe_block_out"] = _max_rel_err(chunked, exact)
-    memory = section_memory(sizes, device, "auto", budget_s=STAGE_CAPS_S["S2"] / 2)
+    memory = section_memory(sizes, device, "auto", budget_s=stage_cap_s("S2", device) / 2)
     ratio = {scope: 1 - cut for scope, cut in memory["upipe_peak_cut"].items()}
     correct = all(e <= tol for e in errors.values())
     return {"pass": correct, "errors": errors, "tolerance": tol, "memory": memory, "upipe_over_unchunked": ratio,
@@ -773,7 +756,8 @@ def stage_s3(sizes: Sizes, device: torch.device, out_dir: str) -> dict:
 
 
 def stage_s4(sizes: Sizes, device: torch.device, out_dir: str) -> dict:
-    runs = [section_training(sizes, device, out_dir, timeout_s=STAGE_CAPS_S["S4"] / 2 - 5, cp=cp) for cp in (1, 2)]
+    runs = [section_training(sizes, device, out_dir, timeout_s=stage_cap_s("S4", device) / 2 - 5, cp=cp)
+            for cp in (1, 2)]
     return {"pass": all(r["trains"] for r in runs), "runs": runs,
             "summary": "; ".join(f"CP {r['cp']}: rc={r['returncode']} loss {r['losses'][:1]} -> {r['losses'][-1:]}"
                                  for r in runs)}
@@ -781,7 +765,7 @@ def stage_s4(sizes: Sizes, device: torch.device, out_dir: str) -> dict:
 
 def stage_s5(sizes: Sizes, device: torch.device, out_dir: str) -> dict:
     kernels = ["torch_flash"] if device.type == "cuda" and _kernel_ok("torch_flash") else ["torch"]
-    result = section_throughput(sizes, device, kernels, budget_s=STAGE_CAPS_S["S5"] - 10)
+    result = section_throughput(sizes, device, kernels, budget_s=stage_cap_s("S5", device) - 10)
     worst = min((r["stage_over_all_fwd_bwd"] for r in result["ratios"]), default=math.nan)
     result["pass"] = bool(result["ratios"])
     result["summary"] = f"kernels {kernels}, lowest UPipe-stage / all-heads TFLOP/s ratio {worst:.3f}"

@@ -1,4 +1,4 @@
-"""Shared machinery of the varlen GPU kernels (flash-attn, TransformerEngine).
+"""Shared machinery of the varlen GPU kernels (PyTorch's fused varlen attention, flash-attn, TransformerEngine).
 
 Both libraries compute packed ``[t, h, d]`` attention over sequences given by
 ``cu_seqlens``: each query row belongs to at most one sequence per call and a
@@ -14,7 +14,7 @@ rows; key ranges may repeat across blocks), so one kernel call becomes several
 - q/k/v rows of a pass are gathered into packed buffers (a plain view when the
   pass's segments are already adjacent, as for a packed batch's diagonal blocks);
 - pass results are merged with the log-sum-exp in fp32, exactly like the ring
-  steps of context-parallel attention (REFERENCE.md 2, "TE ring");
+  steps of context-parallel attention (as TransformerEngine's ring attention merges its steps);
 - the backward of each pass runs with the *final* out/lse of its rows (the
   libraries accept them as inputs) and its grads are scatter-added in fp32.
 
