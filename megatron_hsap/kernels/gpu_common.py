@@ -1,6 +1,6 @@
 """Shared machinery of the varlen GPU kernels (PyTorch's fused varlen attention, flash-attn, TransformerEngine).
 
-Both libraries compute packed ``[t, h, d]`` attention over sequences given by
+The libraries compute packed ``[t, h, d]`` attention over sequences given by
 ``cu_seqlens``: each query row belongs to at most one sequence per call and a
 sequence's query and key rows are contiguous in the packed buffers. An
 ``AttentionBlocks`` description is more general (several blocks may share query
