@@ -213,23 +213,8 @@ TE_RELEASES = {
             'is_training q_dtype kv_dtype qkv_layout bias_type attn_mask_type softmax_type p_dropout '
             'num_attn_heads num_gqa_groups max_seqlen_q max_seqlen_kv head_dim_qk head_dim_v '
             'window_size_left window_size_right return_max_logit cuda_graph deterministic'),
-        fused_attn_fwd=(
-            '(is_training, max_seqlen_q, max_seqlen_kv, cu_seqlens_q, cu_seqlens_kv, q, k, v, fake_dtype, '
-            'fused_attention_backend, attn_bias=None, cu_seqlens_q_padded=None, '
-            'cu_seqlens_kv_padded=None, page_table_k=None, page_table_v=None, s_quantizer=None, '
-            "o_quantizer=None, attn_scale=None, dropout=0.0, fast_zero_fill=True, qkv_layout='sbh3d', "
-            "o_format='sbhd', qkv_scale_inv_format=None, attn_bias_type='no_bias', "
-            "attn_mask_type='padding', softmax_type='vanilla', window_size=(-1, -1), "
-            'bottom_right_diagonal=None, rng_gen=None, softmax_offset=None, return_max_logit=False, '
-            'cuda_graph=False)'),
-        fused_attn_bwd=(
-            '(max_seqlen_q, max_seqlen_kv, cu_seqlens_q, cu_seqlens_kv, q, k, v, o, d_o, fake_dtype, '
-            'aux_ctx_tensors, fused_attention_backend, cu_seqlens_q_padded=None, '
-            'cu_seqlens_kv_padded=None, s_quantizer=None, dp_quantizer=None, dqkv_quantizer=None, '
-            "attn_scale=None, dropout=0.0, fast_zero_fill=True, qkv_layout='sbh3d', o_format='sbhd', "
-            "do_format='sbhd', dqkv_layout='sbh3d', qkv_scale_inv_format=None, do_scale_inv_format=None, "
-            "attn_bias_type='no_bias', attn_mask_type='padding', softmax_type='vanilla', window_size=(-1, "
-            '-1), bottom_right_diagonal=None, deterministic=False, cuda_graph=False)'),
+        fused_attn_fwd=TE_2_18_FWD,
+        fused_attn_bwd=TE_2_18_BWD,
     ),
     "2.19": dict(
         softmax_type=True,
