@@ -27,6 +27,7 @@ from megatron_hsap.device_cache import DEVICE_INDEX_CACHE, DeviceTensorCache
 from megatron_hsap.kernels.gpu_common import (VarlenPass, VarlenPassKernel,
                                               merge_partial, normalized_blocks, split_into_passes)
 from megatron_hsap.kernels.te_kernel import TEAttentionKernel
+from megatron_hsap.kernels.torch_flash_kernel import TorchFlashAttentionKernel
 from megatron_hsap.kernels.torch_kernel import TorchAttentionKernel
 
 TORCH = TorchAttentionKernel()
@@ -360,7 +361,7 @@ def test_bad_dtype_head_dim_and_device_are_value_errors(cls):
 
 GPU_KERNELS = [pytest.param(cls, marks=pytest.mark.skipif(not cls.is_available(),
                                                           reason=f"{cls.name!r} needs CUDA and its package"))
-               for cls in (FlashAttentionKernel, TEAttentionKernel)]
+               for cls in (FlashAttentionKernel, TEAttentionKernel, TorchFlashAttentionKernel)]
 
 
 @pytest.mark.parametrize("cls", GPU_KERNELS)

@@ -152,7 +152,7 @@ class TorchFlashAttentionKernel(VarlenPassKernel):
         left, right = torch_window(p)
         values = dict(grad_out=dout, query=q, key=k, value=v, out=out, logsumexp=lse, cum_seq_q=cu_q,
                       cum_seq_k=cu_k, max_q=p.max_seqlen_q, max_k=p.max_seqlen_k, dropout_p=0.0,
-                      is_causal=p.causal, rng_state=torch.zeros(2, dtype=torch.int64, device=q.device),
+                      is_causal=p.causal, rng_state=torch.zeros(2, dtype=torch.uint64, device=q.device),
                       unused=torch.empty(0, device=q.device), scale=softmax_scale, window_size_left=left,
                       window_size_right=right)
         dq, dk, dv = self._bwd_op(**{n: values[n] for n in self._bwd_keywords})
