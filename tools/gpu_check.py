@@ -75,7 +75,7 @@ class Sizes:
     mlp_chunk: int = 65536            # section 3: tokens per tile of the sequence-tiled MLP
     train_seq: int = 4096
     train_iters: int = 20
-    s3_tokens: int = 16384            # S3: packed tokens of the multi-rank checks
+    s3_tokens: int = 4096             # S3: packed tokens of the multi-rank checks (dense fp64 reference)
 
 
 CPU_SIZES = Sizes(eq_tokens=128, eq_heads=(4, 2), eq_head_dims=(16,), head_dim=16, hidden=64, heads=8, kv_heads=4, cp=4, stage_heads=4,
