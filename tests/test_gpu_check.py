@@ -31,6 +31,7 @@ def test_gpu_check_dry_run_runs_every_stage(tmp_path):
         "attention_block", "layer_recompute"}
     rows = stages["S3"]["rows"]  # every configuration on every one of the 4 ranks, against fp64
     assert len(rows) == 7 * 4 and all(r["max_rel_err"] <= 1e-9 for r in rows)
+    assert all(r["bytes_match_plan"] for r in rows)
     assert all(tuple(r["bytes"]) == tuple(r["predicted_bytes"]) for r in rows if "forwarding" not in r["config"])
     assert [r["cp"] for r in stages["S4"]["runs"]] == [1, 2]
     assert all(r["losses"][-1] < r["losses"][0] for r in stages["S4"]["runs"])
