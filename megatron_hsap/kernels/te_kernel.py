@@ -24,12 +24,12 @@ the release; from 2.20 one ``FusedAttentionParams`` object, answered with
 (bf16, MHA, head dim 128, causal, 4096 tokens) -- on a device where even that
 has no fused backend (THD needs sm90+ and cuDNN >= 9.1; cuDNN 9.10.0/9.10.1 are
 excluded) building the kernel is a RuntimeError with the reason, which
-``get_kernel("auto")`` turns into a fall-back to flash-attn, then torch -- and
+``get_kernel("auto")`` turns into a fall-back to flash-attn, then torch_flash, then torch -- and
 once per distinct pass shape (dtype, heads, KV heads, head dim, mask, max
 lengths; GQA + THD needs cuDNN >= 9.6, a bottom-right causal mask cuDNN >= 9.6
 with lengths a multiple of 64, or TE >= 2.2 with cuDNN >= 9.7). A call with a pass TE does not
 support is delegated whole (forward and backward alike, same blocks, same
-decision) to the flash kernel if it is available, else the torch kernel, with
+decision) to the flash kernel if it is available, else torch_flash where it runs, else the torch kernel, with
 one warning on rank 0 per shape class; so is every call with a sliding window (its
 alignment on TE's THD masks is not verified yet). Causal passes whose segments are square use
 the top-left ``padding_causal`` mask (the same mask there, accepted by older
