@@ -38,3 +38,29 @@ def test_gpu_check_dry_run_runs_every_stage(tmp_path):
     assert stages["S5"]["ratios"] and all(r["stage_over_all_fwd_bwd"] > 0 for r in stages["S5"]["ratios"])
     for stage in STAGES:  # each stage's own file, written by its subprocess
         assert json.loads((tmp_path / f"{stage}.json").read_text())["pass"] is True
+
+
+def _gpu_check_module():
+    import importlib.util
+
+    if "gpu_check" not in sys.modules:
+        spec = importlib.util.spec_from_file_location("gpu_check", os.path.join(ROOT, "tools", "gpu_check.py"))
+        module = importlib.util.module_from_spec(spec)
+        sys.modules["gpu_check"] = module  # dataclasses look their module up there
+        spec.loader.exec_module(module)
+    return sys.modules["gpu_check"]
+
+
+def test_ranks_sharing_one_gpu_get_the_nccl_settings_of_their_release(monkeypatch):
+    import torch
+
+    gc = _gpu_check_module()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda.nccl, "version", lambda: (2, 30, 1))
+    assert gc.nccl_env(3) == {"NCCL_MULTI_RANK_GPU_ENABLE": "1"}
+    monkeypatch.setattr(torch.cuda.nccl, "version", lambda: (2, 27, 5))
+    assert gc.nccl_env(3) == {"NCCL_SOCKET_IFNAME": "lo", "NCCL_HOSTID": "gpu-check-rank-3"}
+    assert gc.nccl_env(0)["NCCL_HOSTID"] != gc.nccl_env(1)["NCCL_HOSTID"]
+    assert gc.nccl_env(None) == {"NCCL_SOCKET_IFNAME": "lo"}  # torchrun's ranks set theirs (--with-rank-hostid)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert gc.nccl_env(0) == {}
