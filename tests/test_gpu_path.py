@@ -50,6 +50,7 @@ def test_init_distributed_sets_the_shared_device(monkeypatch):
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     monkeypatch.setattr(torch.cuda, "set_device", chosen.append)
     monkeypatch.setattr(loop.dist, "init_process_group", lambda **kwargs: None)
+    monkeypatch.setattr(torch, "set_num_threads", lambda n: None)  # gloo's thread setting: not this process's
     loop._init_distributed(argparse.Namespace(distributed_backend="gloo", distributed_timeout_minutes=1))
     assert chosen == [0]
 
