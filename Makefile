@@ -6,7 +6,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 TORCH_CPU := torch==2.13.0
 
-.PHONY: venv demo test bench clean venv-bridge test-bridge
+.PHONY: venv demo test bench clean venv-bridge test-bridge gpu-bundle
 
 $(VENV)/.installed: setup.cfg pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -46,5 +46,19 @@ venv-bridge: $(BRIDGE_VENV)/.installed
 test-bridge: venv-bridge
 	$(BRIDGE_PY) -m pytest tests/bridge
 
+# What the lent GPU machine lacks (docs/gpu.md): megatron-core and the small pure-Python/abi3 packages
+# megatron_hsap needs beyond torch, as Python 3.12 x86-64 wheels unpacked into gpu_bundle/site (put it
+# on PYTHONPATH there; no package index is needed).
+GPU_BUNDLE := gpu_bundle
+GPU_BUNDLE_PACKAGES ?= megatron-core==0.16.1 einops psutil
+
+gpu-bundle:
+	rm -rf $(GPU_BUNDLE) && mkdir -p $(GPU_BUNDLE)/wheels
+	$(PYTHON) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+		--platform manylinux_2_28_x86_64 -d $(GPU_BUNDLE)/wheels $(GPU_BUNDLE_PACKAGES)
+	for wheel in $(GPU_BUNDLE)/wheels/*.whl; do $(PYTHON) -m zipfile -e $$wheel $(GPU_BUNDLE)/site; done
+	rm -rf $(GPU_BUNDLE)/wheels
+	du -sh $(GPU_BUNDLE)
+
 clean:
-	rm -rf $(VENV) $(BRIDGE_VENV) *.egg-info runs checkpoints data_cache
+	rm -rf $(VENV) $(BRIDGE_VENV) $(GPU_BUNDLE) *.egg-info runs checkpoints data_cache

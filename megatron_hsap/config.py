@@ -9,7 +9,7 @@ from megatron_hsap.head_split import check_head_chunk_size
 
 MODES = ("ring", "ulysses", "hybrid", "hsap")
 LAYOUTS = ("zigzag", "contiguous", "sequence-aware")
-KERNELS = ("auto", "torch", "cpu_fused", "flash", "te")
+KERNELS = ("auto", "torch", "cpu_fused", "torch_flash", "flash", "te")
 
 
 def _check_choice(name: str, value: object, allowed: tuple) -> None:

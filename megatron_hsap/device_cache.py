@@ -17,7 +17,7 @@ from typing import Callable, Hashable
 
 import torch
 
-__all__ = ["DeviceTensorCache", "DEVICE_INDEX_CACHE", "cached_device_index"]
+__all__ = ["DeviceTensorCache", "DEVICE_INDEX_CACHE", "cached_device_index", "host_to_device"]
 
 
 class DeviceTensorCache:
@@ -64,7 +64,7 @@ class DeviceTensorCache:
 DEVICE_INDEX_CACHE = DeviceTensorCache(max_bytes=64 * 2 ** 20)
 
 
-def _to_device(x: torch.Tensor, device: torch.device) -> torch.Tensor:
+def host_to_device(x: torch.Tensor, device: torch.device) -> torch.Tensor:
     """Host-built index data to ``device`` without blocking the host (pinned staging on CUDA)."""
     if device.type == "cuda":
         x = x.pin_memory()
@@ -73,4 +73,4 @@ def _to_device(x: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 def cached_device_index(key: Hashable, device: torch.device, build: Callable[[], torch.Tensor]) -> torch.Tensor:
     """``build()`` (a host tensor) on ``device``, cached in ``DEVICE_INDEX_CACHE`` under ``(key, device)``."""
-    return DEVICE_INDEX_CACHE.get((key, device), lambda: _to_device(build(), device))
+    return DEVICE_INDEX_CACHE.get((key, device), lambda: host_to_device(build(), device))

@@ -14,6 +14,7 @@ each packed pass and are checked against the dense fp64 reference of test_gpu_ke
 from __future__ import annotations
 
 import ast
+import dataclasses
 import inspect
 import logging
 import sys
@@ -27,7 +28,7 @@ from megatron_hsap.kernels import get_kernel, gpu_common
 from megatron_hsap.kernels.base import AttentionBlocks
 from megatron_hsap.kernels.flash_kernel import FlashAttentionKernel
 from megatron_hsap.kernels.gpu_common import VarlenPassKernel, split_into_passes
-from megatron_hsap.kernels.te_kernel import TEAttentionKernel
+from megatron_hsap.kernels.te_kernel import PARAMS_MODULE, TEAttentionKernel
 from megatron_hsap.kernels.torch_kernel import TorchAttentionKernel
 from tests.library_signatures import FLASH_RELEASES, TE_RELEASES
 from tests.test_gpu_kernels import dense_attention, dense_grads, dense_mask
@@ -114,6 +115,8 @@ class FakeTE:
         names = self.spec["get_fused_attn_backend"].split()
         if len(args) != len(names):  # pybind11: "incompatible function arguments"
             raise TypeError(f"get_fused_attn_backend() takes {len(names)} positional arguments, got {len(args)}")
+        if names == ["params"]:  # 2.20: one FusedAttentionParams, answered with (backend, message)
+            return self._query_params(args[0])
         a = dict(zip(names, args))
         self.calls["query"] += 1
         assert a["q_dtype"] == a["kv_dtype"] and a["qkv_layout"] == "thd_thd_thd" and a["bias_type"] == "no_bias"
@@ -122,6 +125,19 @@ class FakeTE:
         ok = te_backend_supported(self.capability, self.cudnn, a["num_attn_heads"], a["num_gqa_groups"],
                                   a["head_dim_qk"], a["attn_mask_type"], a["max_seqlen_q"], a["max_seqlen_kv"])
         return "arbitrary" if ok else "none"
+
+    def _query_params(self, p) -> tuple:
+        """TE 2.20's query: every field read by name (TE's C++ side), the THD layout in and out."""
+        a = {name: getattr(p, name) for name in self.spec["fused_attention_params"].split()}
+        self.calls["query"] += 1
+        assert a["qkv_layout"] == a["dqkv_layout"] == "thd_thd_thd" and a["o_format"] == a["do_format"] == "thd"
+        assert a["qkv_dtype"] == a["o_dtype"] == a["do_dtype"] == a["dqkv_dtype"] and a["bias_type"] == "no_bias"
+        assert a["dropout"] == 0.0 and (a["window_size_left"], a["window_size_right"]) == (-1, -1)
+        assert a["softmax_type"] == "vanilla" and a["is_training"] is True
+        assert a["bottom_right_diagonal"] == (a["attn_mask_type"] == "padding_causal_bottom_right")
+        ok = te_backend_supported(self.capability, self.cudnn, a["num_attn_heads"], a["num_gqa_groups"],
+                                  a["head_dim_qk"], a["attn_mask_type"], a["max_seqlen_q"], a["max_seqlen_kv"])
+        return ("arbitrary", "") if ok else ("none", "cuDNN rejects this configuration")
 
     def _blocks(self, a: dict) -> AttentionBlocks:
         """Check the arguments every call shares; the pass's blocks in base.py's (bottom-right) convention."""
@@ -187,6 +203,13 @@ class FakeTE:
         if self.spec["softmax_type"]:
             fused.SoftmaxType = {"vanilla": "vanilla"}
         fused.FusedAttnBackend = {"F16_arbitrary_seqlen": "arbitrary", "No_Backend": "none"}
+        fused.QKVFormat = {"thd": "thd"}
+        if "fused_attention_params" in self.spec:  # 2.20: the query's argument, a dataclass of defaulted fields
+            names = self.spec["fused_attention_params"].split()
+            params_module = types.ModuleType(PARAMS_MODULE)
+            params_module.FusedAttentionParams = dataclasses.make_dataclass(
+                "FusedAttentionParams", [(name, object, dataclasses.field(default=None)) for name in names])
+            monkeypatch.setitem(sys.modules, PARAMS_MODULE, params_module)
         fused.tex = types.ModuleType("transformer_engine_torch")
 
         def get_fused_attn_backend(*args):
@@ -417,3 +440,23 @@ def test_te_delegates_unsupported_shapes_to_the_fallback(monkeypatch, caplog, cp
     assert len(messages) == (1 if delegated else 0)  # once, though forward and backward of two batches delegated
     if delegated:
         assert "use the 'torch' kernel" in messages[0]
+
+
+def test_te_2_20_query_answers_with_a_reason_that_the_fallback_note_quotes(monkeypatch, caplog, cpu_as_cuda):
+    """TE 2.20's query takes one FusedAttentionParams and returns (backend, message): GQA on cuDNN 9.5 is
+    refused with TE's reason, which the one fallback warning quotes; MHA runs on TE."""
+    fake = FakeTE("2.20", (9, 0), (9, 5, 0))
+    fake.install(monkeypatch)
+    kernel = TEAttentionKernel()
+    caplog.set_level(logging.WARNING, logger="megatron_hsap.kernels.te_kernel")
+    blocks = AttentionBlocks.from_list([(0, 12, 0, 12, True), (12, 40, 12, 40, True)])
+    gen = torch.Generator().manual_seed(4)
+    for h_kv, on_te in ((4, True), (2, False)):
+        q, k, v = (torch.randn(T, h, D, generator=gen).half() for h in (4, h_kv, h_kv))
+        before = fake.calls["fwd"]
+        out, _ = kernel.forward(q, k, v, blocks, SCALE)
+        assert (fake.calls["fwd"] == before + 1) is on_te
+        ref, _ = TORCH.forward(q, k, v, blocks, SCALE)
+        torch.testing.assert_close(out.float(), ref.float(), atol=2e-3, rtol=0)
+    (message,) = [r.message for r in caplog.records if "no fused attention backend" in r.message]
+    assert "cuDNN rejects this configuration" in message and "h_kv=2" in message

@@ -1,48 +1,26 @@
 #!/usr/bin/env python
-"""Prepared GPU validation: kernel equivalence, per-stage throughput, per-rank memory, a short training run.
+"""Staged GPU validation: S0 environment, S1 kernels vs fp64, S2 one rank, S3 several ranks on one GPU,
+S4 training runs, S5 speed; each stage in its own subprocess with its own time cap.
 
-    python tools/gpu_check.py OUT_DIR                  # on one GPU (budgeted to end within 8 minutes)
-    python tools/gpu_check.py OUT_DIR --device cpu     # smoke run of sections 1-3 with tiny sizes
+    python tools/gpu_check.py [OUT_DIR]              # one GPU, at most 9 minutes; OUT_DIR defaults to $OUT
+    python tools/gpu_check.py OUT_DIR --dry-run      # every stage on CPU (gloo, reference kernel, tiny shapes)
 
-Writes OUT_DIR/gpu_check.json (every figure) and OUT_DIR/gpu_check.md (tables),
-rewritten after each section so a run cut short still leaves what it measured.
-Each section is guarded: a failure is recorded with its traceback and the next
-section runs. What each figure means is documented in docs/gpu.md.
+Writes OUT_DIR/<stage>.json from each stage and OUT_DIR/gpu_check.json (every stage so far)
+after each stage, so a run cut short still returns what it measured, and prints one line per
+stage. What each stage checks and measures, the caps and the one-run recipe: docs/gpu.md.
 
-1. equivalence: the 'flash' / 'te' kernels against the 'torch' kernel in fp32 on
-   packed batches (document lengths from sample_doc_lengths), forward and
-   backward in bf16; a case passes when its error against fp32 is at most 2x
-   (out, lse) / 3x (dq, dk, dv) the error of plain dense attention computed in
-   bf16, the criterion (and baseline) of flash-attn's own tests.
-2. throughput: TFLOP/s from the mask area (forward 4*area*h_q*d, backward 2.5x)
-   of one causal sequence of L tokens for the heads one rank holds in plain
-   Ulysses (H/C query heads) and in one UPipe stage (U/C query heads), Llama3-8B
-   head shape; the ratio stage/all is the cost of head chunking (REFERENCE.md 1.1).
-3. memory: the package's own attention (context_parallel_attention for plain
-   Ulysses, head_chunked_attention for UPipe stages) in a one-process job (CP = 1,
-   all-to-alls are identity) on the per-rank length of a 5M-token context on 8
-   ranks, halved until it fits: the same Q/K/V elements per rank as the 8-way job,
-   without its all-to-all buffers. Peak memory of one Llama3-8B attention block
-   (QKV projection, attention, output projection) forward+backward, and of a full
-   layer (norms, attention block, sequence-tiled SwiGLU MLP) under full
-   activation recomputation.
-4. training: the real training step, launched as users launch it (torchrun, one rank,
-   LOCAL_RANK -> torch.cuda.set_device, NCCL): pretrain_gpt_hsap.py at CP=1, bf16, mock
-   data, with validation every few iterations, the final validation/test evaluations
-   (forward-only schedule) and --log-throughput. It exercises the device path: packed
-   micro-batches and cu_seqlens moved to the GPU, loss/byte-counter reductions on CUDA
-   tensors over NCCL, Megatron's fusions on. Passes when it exits 0, the loss falls
-   and every evaluation loss is finite.
-
-One GPU cannot run CP > 1 (NCCL refuses two ranks of one communicator on one
-device; gloo has no all-to-all for CUDA tensors): the collectives are checked by
-the multi-process CPU tests, not here.
+Kernel figures: TFLOP/s from the mask area (forward 4*area*h_q*d, backward 2.5x) of one causal
+sequence for the heads one rank holds in plain Ulysses (H/C query heads) and in one UPipe stage
+(U/C); the ratio stage/all is the kernel-level cost of head chunking (the UPipe paper's premise
+that attention is compute-bound at long context). Memory: the package's own attention at CP = 1
+(all-to-alls are identity) on the per-rank tokens of an 8-way job, Llama-3-8B shapes.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import importlib
 import json
 import math
 import os
@@ -83,6 +61,7 @@ class Sizes:
 
     eq_tokens: int = 8192             # section 1: packed tokens per case (the bf16 baseline is dense)
     eq_heads: Tuple[int, int] = (32, 8)
+    eq_head_dims: Tuple[int, ...] = (64, 128)
     head_dim: int = 128
     hidden: int = 4096                # Llama3-8B
     heads: int = 32
@@ -96,11 +75,12 @@ class Sizes:
     mlp_chunk: int = 65536            # section 3: tokens per tile of the sequence-tiled MLP
     train_seq: int = 4096
     train_iters: int = 20
+    s3_tokens: int = 4096             # S3: packed tokens of the multi-rank checks (dense fp64 reference)
 
 
-CPU_SIZES = Sizes(eq_tokens=256, eq_heads=(4, 2), head_dim=16, hidden=64, heads=8, kv_heads=4, cp=4, stage_heads=4,
+CPU_SIZES = Sizes(eq_tokens=128, eq_heads=(4, 2), eq_head_dims=(16,), head_dim=16, hidden=64, heads=8, kv_heads=4, cp=4, stage_heads=4,
                   lengths=(128, 256), mem_context=1024, mem_doc_len=128, ffn_hidden=128, mlp_chunk=128,
-                  train_seq=64, train_iters=4)
+                  train_seq=64, train_iters=4, s3_tokens=96)
 
 
 # ---------------------------------------------------------------- helpers
@@ -144,8 +124,13 @@ def _equivalence_cases(sizes: Sizes) -> Dict[str, Tuple[AttentionBlocks, Optiona
     half = t // 2
     first = [(0, half, 0, half, True)]
     second = [(half, t, half, t, True)]
+    rest = sample_doc_lengths(t - 3, seed=12, max_doc_len=(t - 3) // 2)
+    with_singles = rest[:1] + [1, 1, 1] + rest[1:]  # length-1 documents between longer ones
+    window = (t // 16, 0)
     return {
         "packed-causal": (packed_causal_blocks(packed), None),
+        "length-1-documents": (packed_causal_blocks(with_singles), None),
+        "window": (AttentionBlocks.from_list([b + (window,) for b in packed_causal_blocks([t])]), None),
         "one-document": (packed_causal_blocks([t]), None),
         # ring step: the second half's rows see the first half's keys in a separate call, merged by LSE
         "ring-two-calls": (AttentionBlocks.from_list(first + second), AttentionBlocks.from_list(
@@ -157,11 +142,16 @@ def _equivalence_cases(sizes: Sizes) -> Dict[str, Tuple[AttentionBlocks, Optiona
 
 
 def dense_mask(blocks: AttentionBlocks, t_q: int, t_k: int, device: torch.device) -> torch.Tensor:
-    """bool ``[t_q, t_k]``: True where a block lets the query row see the key (bottom-right causal)."""
+    """bool ``[t_q, t_k]``: True where a block lets the query row see the key (bottom-right causal, windows)."""
     mask = torch.zeros(t_q, t_k, dtype=torch.bool, device=device)
-    for qs, qe, ks, ke, causal in blocks:
+    for qs, qe, ks, ke, lo, hi in blocks.bands():
+        offset = torch.arange(ks, ke, device=device)[None, :] - torch.arange(qs, qe, device=device)[:, None]
         block = torch.ones(qe - qs, ke - ks, dtype=torch.bool, device=device)
-        mask[qs:qe, ks:ke] |= torch.tril(block, diagonal=(ke - ks) - (qe - qs)) if causal else block
+        if lo is not None:
+            block &= offset >= lo
+        if hi is not None:
+            block &= offset <= hi
+        mask[qs:qe, ks:ke] |= block
     return mask
 
 
@@ -207,15 +197,16 @@ def section_equivalence(sizes: Sizes, device: torch.device, kernels: List[str]) 
         return {"rows": [], "all_pass": None, "skipped": "neither flash-attn nor TransformerEngine is installed"}
     torch_kernel = get_kernel("torch")
     h_q, h_kv = sizes.eq_heads
-    d, t = sizes.head_dim, sizes.eq_tokens
-    gen = torch.Generator(device=device).manual_seed(0)
-    make = lambda h: torch.randn(t, h, d, device=device, dtype=torch.bfloat16, generator=gen)  # noqa: E731
-    q, k, v, dout = make(h_q), make(h_kv), make(h_kv), make(h_q)
-    scale = d ** -0.5
+    t = sizes.eq_tokens
     rows = []
-    for case, (blocks, extra) in _equivalence_cases(sizes).items():
+    for d, (case, (blocks, extra)) in ((d, c) for d in sizes.eq_head_dims for c in _equivalence_cases(sizes).items()):
+        gen = torch.Generator(device=device).manual_seed(0)
+        make = lambda h: torch.randn(t, h, d, device=device, dtype=torch.bfloat16, generator=gen)  # noqa: E731
+        q, k, v, dout = make(h_q), make(h_kv), make(h_kv), make(h_q)
+        scale = d ** -0.5
         calls = [blocks] + ([extra] if extra is not None else [])
-        ref = _run_calls(torch_kernel, q.float(), k.float(), v.float(), dout.float(), calls, scale)
+        # the dense fp64 reference: the reference kernel on the bf16 values held in fp64
+        ref = _run_calls(torch_kernel, q.double(), k.double(), v.double(), dout.double(), calls, scale)
         mask = torch.zeros(t, t, dtype=torch.bool, device=device)
         for c in calls:
             mask |= dense_mask(c, t, t, device)
@@ -261,7 +252,8 @@ def check_head_layout(sizes: Sizes) -> None:
 def rank_heads(sizes: Sizes) -> Dict[str, Tuple[int, int]]:
     """(query heads, KV heads) one rank attends with after the all-to-all: plain Ulysses vs one UPipe stage.
 
-    A stage's U query heads take one head per KV group (REFERENCE.md 1.1), so it needs min(U, H_kv) KV heads.
+    A stage's U query heads take one head per KV group (the UPipe paper's GQA schedule), so it needs
+    min(U, H_kv) KV heads.
     """
     C, U = sizes.cp, sizes.stage_heads
     return {"ulysses_all_heads": (sizes.heads // C, sizes.kv_heads // C),
@@ -447,7 +439,7 @@ def section_memory(sizes: Sizes, device: torch.device, kernel_name: str, budget_
                         rows.append({"scope": scope, "kind": kind, "context": context, "tokens_per_rank": n, "cp": C,
                                      "stage_heads": heads, "peak_bytes": peak,
                                      "peak_gib": peak / 2 ** 30, "fwd_bwd_s": seconds,
-                                     # REFERENCE.md 1.1: bf16 Q/K/V + their all-to-all outputs, MHA count
+                                     # the UPipe paper's count: bf16 Q/K/V + their all-to-all outputs, MHA
                                      "formula_bytes_mha": 12 * n * heads * d})
                         x = grad_y = None  # free before the next configuration
                         for p in params.values():
@@ -473,10 +465,16 @@ def section_memory(sizes: Sizes, device: torch.device, kernel_name: str, budget_
 
 # ---------------------------------------------------------------- section 4: training run
 
-def section_training(sizes: Sizes, device: torch.device, out_dir: str, timeout_s: float) -> dict:
-    log_json = os.path.join(out_dir, "train_log.jsonl")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1",
-           os.path.join(REPO, "pretrain_gpt_hsap.py"), "--context-parallel-size", "1", "--num-layers", "2",
+def section_training(sizes: Sizes, device: torch.device, out_dir: str, timeout_s: float, cp: int = 1) -> dict:
+    """``pretrain_gpt_hsap.py`` at CP = ``cp`` on this one device (several ranks share it, see ``nccl_env``)."""
+    log_json = os.path.join(out_dir, f"train_log_cp{cp}.jsonl")
+    if os.path.exists(log_json):
+        os.remove(log_json)
+    script = [os.path.join(REPO, "pretrain_gpt_hsap.py")]
+    if cp > 1 and device.type == "cuda" and not multi_rank_gpu_nccl():  # each rank its own NCCL host id
+        script = [os.path.abspath(__file__), "--with-rank-hostid"] + script
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(cp)] + script + [
+           "--context-parallel-size", str(cp), "--num-layers", "2",
            "--hidden-size", str(max(64, sizes.hidden // 8)), "--num-attention-heads", str(sizes.heads),
            "--num-query-groups", str(sizes.kv_heads), "--seq-length", str(sizes.train_seq),
            "--train-iters", str(sizes.train_iters), "--lr-warmup-iters", "1", "--mock-data",
@@ -486,7 +484,7 @@ def section_training(sizes: Sizes, device: torch.device, out_dir: str, timeout_s
         cmd += ["--bf16", "--attention-kernel", "auto", "--distributed-backend", "nccl"]
     else:
         cmd += ["--attention-kernel", "torch", "--distributed-backend", "gloo"]
-    env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""), **nccl_env(None))
     start = time.perf_counter()
     try:
         proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout_s)
@@ -503,119 +501,74 @@ def section_training(sizes: Sizes, device: torch.device, out_dir: str, timeout_s
                 else:
                     losses.append(record["loss"])
                     tflops.append(record["tflops_per_gpu"])
-    return {"command": " ".join(cmd[1:]), "returncode": rc, "seconds": time.perf_counter() - start,
+    return {"cp": cp, "command": " ".join(cmd[1:]), "returncode": rc, "seconds": time.perf_counter() - start,
             "losses": losses, "evaluations": evaluations, "tflops_per_gpu": tflops, "output_tail": output[-3000:],
             "trains": (rc == 0 and len(losses) >= 2 and losses[-1] < losses[0] and len(evaluations) >= 3
                        and all(math.isfinite(e[2]) for e in evaluations))}
 
 
-# ---------------------------------------------------------------- report
+# ---------------------------------------------------------------- several ranks on one GPU (NCCL)
 
-def _table(rows: List[dict], columns: List[str]) -> str:
-    def fmt(x):
-        if isinstance(x, float):
-            return f"{x:.3g}"
-        return "" if x is None else str(x)
-    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
-    lines += ["| " + " | ".join(fmt(r.get(c)) for c in columns) + " |" for r in rows]
-    return "\n".join(lines)
+MULTI_RANK_GPU_NCCL = (2, 30, 0)  # NCCL from which NCCL_MULTI_RANK_GPU_ENABLE=1 lets ranks share a GPU
 
 
-def write_report(out_dir: str, results: dict) -> None:
-    with open(os.path.join(out_dir, "gpu_check.json"), "w") as f:
-        json.dump(results, f, indent=1, default=str)
-    md = [f"# gpu_check {results['meta']['date']}", "", "```", json.dumps(results["meta"], indent=1), "```", ""]
-    sections = results["sections"]
-    if "equivalence" in sections and "rows" in sections["equivalence"]:
-        md += ["## 1. Kernel equivalence (bf16 vs torch fp32)", "",
-               _table(sections["equivalence"]["rows"], ["kernel", "case", "heads", "out_err", "out_bf16_baseline_err",
-                                                         "lse_err", "dq_err", "dq_bf16_baseline_err", "dk_err",
-                                                         "dk_bf16_baseline_err", "dv_err", "dv_bf16_baseline_err",
-                                                         "fallback_calls", "pass"]), ""]
-    if "throughput" in sections and "rows" in sections["throughput"]:
-        md += ["## 2. Attention throughput per rank (causal, TFLOP/s from mask area)", "",
-               _table(sections["throughput"]["rows"], ["kernel", "length", "config", "h_q", "h_kv", "fwd_tflops",
-                                                       "bwd_tflops", "fwd_bwd_tflops", "fallback_calls",
-                                                       "skipped"]), "",
-               _table(sections["throughput"]["ratios"], ["kernel", "length", "stage_over_all_fwd_bwd"]), ""]
-    if "memory" in sections and "rows" in sections["memory"]:
-        md += ["## 3. Peak memory of one rank (attention block; layer with recomputation), fwd+bwd", "",
-               _table(sections["memory"]["rows"], ["scope", "kind", "context", "tokens_per_rank", "stage_heads",
-                                                   "peak_gib",
-                                                   "formula_bytes_mha", "fwd_bwd_s", "oom", "skipped"]), "",
-               f"UPipe peak cut: {sections['memory'].get('upipe_peak_cut')}", ""]
-    if "training" in sections and "returncode" in sections["training"]:
-        t = sections["training"]
-        md += ["## 4. Training run", "", f"`{t['command']}`", "",
-               f"returncode {t['returncode']}, {t['seconds']:.0f} s, losses {t['losses']}", "",
-               f"evaluations (split, iteration, lm loss): {t['evaluations']}", "",
-               f"TFLOP/s/GPU (Megatron-LM's formula): {t['tflops_per_gpu']}", ""]
-    for name, s in sections.items():
-        if "error" in s:
-            md += [f"## {name}: FAILED", "", "```", s["error"], "```", ""]
-    with open(os.path.join(out_dir, "gpu_check.md"), "w") as f:
-        f.write("\n".join(md))
+def nccl_version() -> Optional[Tuple[int, ...]]:
+    try:
+        version = torch.cuda.nccl.version()
+    except Exception:  # a CPU build: no NCCL
+        return None
+    return tuple(version) if isinstance(version, tuple) else (version // 10000, version // 100 % 100, version % 100)
 
 
-def _versions() -> dict:
-    out = {"torch": torch.__version__}
-    for module in ("flash_attn", "transformer_engine"):
-        try:
-            out[module] = __import__(module).__version__
-        except Exception as err:  # report, never fail, on a missing or broken install
-            out[module] = f"unavailable ({type(err).__name__})"
-    return out
+def multi_rank_gpu_nccl() -> bool:
+    version = nccl_version()
+    return version is not None and version >= MULTI_RANK_GPU_NCCL
 
 
-def main(argv: Optional[List[str]] = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("out_dir", help="directory for gpu_check.json / gpu_check.md")
-    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
-                        help="cpu: smoke run with tiny sizes and the torch kernel only")
-    parser.add_argument("--sections", default="1,2,3,4", help="comma-separated subset of 1,2,3,4")
-    parser.add_argument("--throughput-budget-s", type=float, default=120.0,
-                        help="section 2 skips remaining lengths after this many seconds")
-    parser.add_argument("--memory-budget-s", type=float, default=100.0,
-                        help="section 3 skips its remaining measurements after this many seconds")
-    parser.add_argument("--train-timeout-s", type=float, default=120.0)
-    args = parser.parse_args(argv)
-    if args.device == "cuda" and not torch.cuda.is_available():
-        parser.error("--device cuda: no CUDA device here; use --device cpu for the smoke run")
-    sections = {s.strip() for s in args.sections.split(",")}
-    if not sections <= {"1", "2", "3", "4"}:
-        parser.error(f"--sections={args.sections!r}: allowed values are 1, 2, 3, 4")
-    os.makedirs(args.out_dir, exist_ok=True)
-    device = torch.device(args.device)
-    sizes = Sizes() if device.type == "cuda" else CPU_SIZES
-    if device.type == "cuda":
-        kernels = [name for name in GPU_KERNELS if _kernel_ok(name)]
-    else:
-        kernels = ["torch"]  # the smoke run checks the script's paths, not a GPU library
-    # without flash-attn/TE, sections 2-3 still measure the torch kernel on the GPU (labelled as such)
-    bench_kernels = kernels or ["torch"]
-    results = {"meta": {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-                        "equivalence_kernels": kernels, "benchmark_kernels": bench_kernels,
-                        "sizes": asdict(sizes), **_versions()},
-               "sections": {}}
-    plan = [("1", "equivalence", lambda: section_equivalence(sizes, device, kernels)),
-            ("2", "throughput", lambda: section_throughput(sizes, device, bench_kernels, args.throughput_budget_s)),
-            ("3", "memory", lambda: section_memory(sizes, device, bench_kernels[0], args.memory_budget_s)),
-            ("4", "training", lambda: section_training(sizes, device, args.out_dir, args.train_timeout_s))]
-    for key, name, run in plan:
-        if key not in sections:
-            continue
-        start = time.perf_counter()
-        print(f"[gpu_check] section {key} ({name}) ...", flush=True)
-        try:
-            results["sections"][name] = run()
-        except Exception:  # one failing section must not stop the others
-            results["sections"][name] = {"error": traceback.format_exc()}
-        results["sections"][name]["seconds"] = time.perf_counter() - start
-        write_report(args.out_dir, results)
-        print(f"[gpu_check] section {key} done in {results['sections'][name]['seconds']:.1f} s", flush=True)
-    print(_summary(results), flush=True)
-    return 0 if all("error" not in s for s in results["sections"].values()) else 1
+def nccl_env(rank: Optional[int]) -> Dict[str, str]:
+    """Environment that lets several NCCL ranks share one GPU: ``NCCL_MULTI_RANK_GPU_ENABLE=1`` on NCCL >= 2.30;
+    before that each rank claims its own host (``NCCL_HOSTID``, given per rank: ``rank``) over loopback, so
+    NCCL's duplicate-GPU check does not trigger. Empty without CUDA."""
+    if not torch.cuda.is_available():
+        return {}
+    if multi_rank_gpu_nccl():
+        return {"NCCL_MULTI_RANK_GPU_ENABLE": "1"}
+    env = {"NCCL_SOCKET_IFNAME": "lo"}
+    if rank is not None:
+        env["NCCL_HOSTID"] = f"gpu-check-rank-{rank}"
+    return env
+
+
+def _run_with_rank_hostid(argv: List[str]) -> None:
+    """``--with-rank-hostid SCRIPT ARGS``: run SCRIPT under torchrun with this rank's NCCL host id (NCCL < 2.30)."""
+    import runpy
+
+    os.environ.update(nccl_env(int(os.environ.get("LOCAL_RANK", 0))))
+    sys.argv = argv
+    runpy.run_path(argv[0], run_name="__main__")
+
+
+# ---------------------------------------------------------------- stages
+
+STAGES = ("S0", "S1", "S2", "S3", "S4", "S5")
+STAGE_NAMES = {"S0": "environment", "S1": "kernels vs fp64", "S2": "one rank (CP 1) and UPipe memory",
+               "S3": "several ranks on one device", "S4": "training runs", "S5": "speed"}
+#: seconds each stage may take on the GPU (its subprocess is killed after that); they sum to 9 minutes
+STAGE_CAPS_S = {"S0": 30, "S1": 90, "S2": 90, "S3": 150, "S4": 120, "S5": 60}
+DRY_RUN_CAP_S = 240  # per stage on CPU: generous, the suite's machine may be shared
+
+
+def stage_cap_s(stage: str, device: torch.device) -> float:
+    """Seconds ``stage`` may take: its GPU cap, or the dry run's on CPU."""
+    return STAGE_CAPS_S[stage] if device.type == "cuda" else DRY_RUN_CAP_S
+
+
+def _kernels_here(device: torch.device) -> List[str]:
+    """The fused kernels S1 checks: torch_flash and whichever of TE / flash-attn load; the reference kernel
+    stands in for them on the CPU dry run."""
+    if device.type != "cuda":
+        return ["torch"]
+    return [name for name in ("torch_flash",) + GPU_KERNELS if _kernel_ok(name)]
 
 
 def _kernel_ok(name: str) -> bool:
@@ -627,27 +580,288 @@ def _kernel_ok(name: str) -> bool:
     return True
 
 
-def _summary(results: dict) -> str:
-    lines = ["[gpu_check] summary:"]
-    s = results["sections"]
-    for name, section in s.items():
-        if "error" in section:
-            lines.append(f"  {name}: FAILED ({section['error'].strip().splitlines()[-1]})")
-        elif name == "equivalence":
-            verdict = {True: "all pass", False: "SOME FAIL", None: section.get("skipped")}[section["all_pass"]]
-            lines.append(f"  equivalence: {verdict} ({len(section['rows'])} kernel x case rows)")
-        elif name == "throughput":
-            worst = min((r["stage_over_all_fwd_bwd"] for r in section["ratios"]), default=math.nan)
-            lines.append(f"  throughput: {len(section['rows'])} rows, lowest stage/all ratio {worst:.3f}")
-        elif name == "memory":
-            peaks = [(r.get("scope"), r.get("kind"), r.get("context"), r.get("peak_gib")) for r in section["rows"]]
-            lines.append(f"  memory: {peaks}, UPipe cut {section['upipe_peak_cut']}")
-        elif name == "training":
-            lines.append(f"  training: rc={section['returncode']} losses={section['losses'][:2]}..."
-                         f"{section['losses'][-1:]} evaluations={len(section['evaluations'])} "
-                         f"trains={section['trains']}")
-    return "\n".join(lines)
+def stage_s0(sizes: Sizes, device: torch.device, out_dir: str) -> dict:
+    """Versions (torch, CUDA, cuDNN, NCCL, compute capability) and what kernel='auto' picks for typical shapes."""
+    info = {"torch": torch.__version__, "cuda": torch.version.cuda, "nccl": nccl_version(),
+            "cudnn": torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None,
+            "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+            "capability": torch.cuda.get_device_capability(device) if device.type == "cuda" else None,
+            "multi_rank_gpu_nccl": multi_rank_gpu_nccl(), **_versions()}
+    auto = get_kernel("auto")
+    blocks = packed_causal_blocks([64])
+    picks = {}
+    for dtype, d in ((torch.bfloat16, 128), (torch.bfloat16, 64), (torch.bfloat16, 256), (torch.float32, 128)):
+        q = torch.zeros(64, 8, d, dtype=dtype, device=device)
+        k = torch.zeros(64, 2, d, dtype=dtype, device=device)
+        chosen = auto.kernel_for(q, k, k, blocks) if hasattr(auto, "kernel_for") else auto
+        picks[f"{str(dtype).replace('torch.', '')} d{d}"] = chosen.name
+    return {"pass": True, "versions": info, "auto_picks": picks, "summary": f"auto picks {picks}"}
+
+
+def stage_s1(sizes: Sizes, device: torch.device, out_dir: str) -> dict:
+    kernels = _kernels_here(device)
+    result = section_equivalence(sizes, device, kernels)
+    result["pass"] = bool(result["all_pass"])
+    result["summary"] = f"{len(result['rows'])} kernel x case rows, kernels {kernels}"
+    return result
+
+
+def _max_rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
+    got, ref = got.detach().double(), ref.detach().double()
+    return float((got - ref).abs().max() / ref.abs().max().clamp_min(1e-30))
+
+
+def stage_s2(sizes: Sizes, device: torch.device, out_dir: str) -> dict:
+    """context_parallel_attention and head_chunked_attention at CP 1 against fp64, then UPipe's peak memory."""
+    from megatron_hsap.reference import sdpa_reference
+
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float64
+    tol = 2e-2 if dtype == torch.bfloat16 else 1e-9
+    h, h_kv, d = sizes.heads, sizes.kv_heads, sizes.head_dim
+    lengths = sample_doc_lengths(sizes.eq_tokens, seed=5, max_doc_len=sizes.eq_tokens // 2)
+    errors = {}
+    with one_rank_cp_group(device, "auto") as topology:
+        plan = plan_batch(cu_seqlens_from_lengths(lengths), topology, "zigzag")
+        gen = torch.Generator(device=device).manual_seed(3)
+        q, k, v = (torch.randn(plan.tokens_per_rank, heads, d, device=device, dtype=torch.float64, generator=gen)
+                   for heads in (h, h_kv, h_kv))
+        local = [x.to(dtype).requires_grad_() for x in (q, k, v)]
+        out = context_parallel_attention(*local, plan)
+        dout = torch.randn(out.shape, device=device, dtype=torch.float64, generator=gen)
+        out.backward(dout.to(dtype))
+        ref_in = [x.detach().clone().requires_grad_() for x in local]
+        ref = sdpa_reference(*(plan.unshard(x).double() for x in ref_in), plan.doc_lengths)
+        ref_local = plan.shard(ref)
+        errors["context_parallel_out"] = _max_rel_err(out, ref_local)
+        # UPipe's fused projection + attention against the unchunked projection + attention, same weights
+        x = torch.randn(plan.tokens_per_rank, sizes.hidden, device=device, dtype=torch.float64, generator=gen)
+        wqkv = torch.randn((h + 2 * h_kv) * d, sizes.hidden, device=device, dtype=torch.float64, generator=gen)
+        wo = torch.eye(h * d, sizes.hidden, device=device, dtype=torch.float64)
+        plain = _attention_block("ulysses", x.to(dtype), wqkv.to(dtype), wo.t().to(dtype), plan, sizes)
+        chunked = _attention_block("upipe", x.to(dtype), wqkv.to(dtype), wo.t().to(dtype), plan, sizes)
+        exact = _attention_block("ulysses", x, wqkv, wo.t(), plan, sizes)
+        errors["ulysses_block_out"] = _max_rel_err(plain, exact)
+        errors["upipe_block_out"] = _max_rel_err(chunked, exact)
+    memory = section_memory(sizes, device, "auto", budget_s=stage_cap_s("S2", device) / 2)
+    ratio = {scope: 1 - cut for scope, cut in memory["upipe_peak_cut"].items()}
+    correct = all(e <= tol for e in errors.values())
+    return {"pass": correct, "errors": errors, "tolerance": tol, "memory": memory, "upipe_over_unchunked": ratio,
+            "summary": f"max rel err {max(errors.values()):.2e} (tol {tol:g}); UPipe peak / unchunked {ratio}"}
+
+
+S3_CONFIGS = [  # name, ContextParallelConfig kwargs, heads (q, kv), window, head chunk (UPipe)
+    ("ring", dict(mode="ring"), (8, 4), None, None),
+    ("ulysses", dict(mode="ulysses"), (8, 4), None, None),
+    ("hybrid-2x2", dict(mode="hsap", ulysses_size=2), (8, 4), None, None),
+    ("hybrid-2x2-kv-forwarding", dict(mode="hsap", ulysses_size=2, kv_forwarding=True), (8, 4), None, None),
+    ("upipe", dict(mode="ulysses"), (8, 4), None, 4),
+    ("window", dict(mode="hsap", ulysses_size=2), (8, 4), (64, 0), None),
+    ("uneven-heads", dict(mode="ulysses"), (6, 3), None, None),
+]
+
+
+def _dense_reference(q, k, v, doc_lengths, window) -> torch.Tensor:
+    """fp64 attention of the global packed batch, causal per document, with an optional (left, 0) window."""
+    t, g = q.shape[0], q.shape[1] // k.shape[1]
+    doc = torch.repeat_interleave(torch.arange(len(doc_lengths), device=q.device),
+                                  torch.tensor(doc_lengths, device=q.device))
+    pos = torch.arange(t, device=q.device)
+    mask = (doc[:, None] == doc[None, :]) & (pos[None, :] <= pos[:, None])
+    if window is not None:
+        mask &= pos[:, None] - pos[None, :] <= window[0]
+    kk, vv = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
+    out = torch.nn.functional.scaled_dot_product_attention(q.transpose(0, 1), kk.transpose(0, 1),
+                                                           vv.transpose(0, 1), attn_mask=mask)
+    return out.transpose(0, 1)
+
+
+def _s3_worker(rank: int, world: int, port: int, device_type: str, tokens: int, head_dim: int, results) -> None:
+    from megatron_hsap.attention.upipe import head_chunked_attention
+    from megatron_hsap.instrumentation import count_comm
+
+    os.environ.update(nccl_env(rank))
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+    device = torch.device("cuda", 0) if device_type == "cuda" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(0)  # LOCAL_RANK % device_count on a one-GPU machine
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=f"tcp://127.0.0.1:{port}",
+                            rank=rank, world_size=world)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float64
+    rows = []
+    lengths = sample_doc_lengths(tokens, seed=7, max_doc_len=tokens // 2)
+    for name, cp_kwargs, (h, h_kv), window, chunk in S3_CONFIGS:
+        start = time.perf_counter()
+        hybrid = cp_kwargs["mode"] == "hsap"  # two "nodes" of two ranks; the others on one "node"
+        topology = initialize_model_parallel(context_parallel_size=world, ranks_per_node=2 if hybrid else world,
+                                             cp_config=ContextParallelConfig(kernel="auto", **cp_kwargs))
+        plan = plan_batch(cu_seqlens_from_lengths(lengths), topology, "zigzag")
+        gen = torch.Generator(device=device).manual_seed(11)
+        q, k, v = (torch.randn(plan.total_tokens, heads, head_dim, device=device, dtype=torch.float64,
+                               generator=gen) for heads in (h, h_kv, h_kv))
+        local = [plan.shard(x).to(dtype).requires_grad_() for x in (q, k, v)]
+        with count_comm() as measured:
+            if chunk is None:
+                out = context_parallel_attention(*local, plan, window_size=window)
+            else:  # UPipe's attention core: the projection is the identity on [q | k | v] of each KV group
+                out = _upipe_identity_projection(head_chunked_attention, local, plan, h, h_kv, head_dim, chunk)
+        out.backward(torch.ones_like(out))
+        ref_in = [x.detach().requires_grad_() for x in (q, k, v)]
+        ref = _dense_reference(*ref_in, plan.doc_lengths, window)
+        ref.backward(torch.ones_like(ref))
+        errors = [_max_rel_err(plan.unshard(out.detach()), ref)]
+        if chunk is None:
+            errors += [_max_rel_err(plan.unshard(x.grad), r.grad) for x, r in zip(local, ref_in)]
+        stats = plan.stats(h, h_kv, head_dim, dtype, causal=True)
+        mine = (measured.send_bytes_intra, measured.send_bytes_inter, measured.recv_bytes_intra,
+                measured.recv_bytes_inter)
+        predicted = tuple(stats[f][topology.cp_rank] for f in ("send_bytes_intra", "send_bytes_inter",
+                                                                "recv_bytes_intra", "recv_bytes_inter"))
+        if cp_kwargs.get("kv_forwarding"):  # a forwarded row is counted once per node: compare the CP-group total
+            inter = torch.tensor([measured.recv_bytes_inter], dtype=torch.int64, device=device)
+            dist.all_reduce(inter, group=topology.cp_group)
+            bytes_ok = int(inter) == sum(stats.recv_bytes_inter_forwarded)
+        else:
+            bytes_ok = mine == predicted
+        rows.append({"config": name, "max_rel_err": max(errors), "bytes": mine, "predicted_bytes": predicted,
+                     "bytes_match_plan": bytes_ok, "seconds": time.perf_counter() - start})
+        destroy_model_parallel()
+    results[rank] = rows
+    dist.destroy_process_group()
+
+
+def _upipe_identity_projection(head_chunked_attention, local, plan, h, h_kv, d, chunk) -> torch.Tensor:
+    """head_chunked_attention with a weight that copies ``hidden = [q | k | v]`` (grouped per KV head as Megatron's
+    linear_qkv) into its Q/K/V heads: the attention result equals context_parallel_attention's on q, k, v."""
+    q, k, v = local
+    g = h // h_kv
+    hidden = torch.cat([torch.cat([q[:, j * g:(j + 1) * g], k[:, j:j + 1], v[:, j:j + 1]], dim=1)
+                        for j in range(h_kv)], dim=1).reshape(q.shape[0], 1, -1)
+    eye = torch.eye(hidden.shape[-1], dtype=q.dtype, device=q.device)
+    return head_chunked_attention(hidden, eye, None, plan, num_heads_q=h, num_heads_kv=h_kv, head_dim=d,
+                                  rope_base=None, head_chunk_size=chunk).reshape(q.shape[0], h, d)
+
+
+def stage_s3(sizes: Sizes, device: torch.device, out_dir: str) -> dict:
+    import torch.multiprocessing as mp
+
+    world = 4
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    manager = mp.Manager()
+    results = manager.dict()
+    # CUDA needs fresh interpreters; on the CPU dry run forked ones start without re-importing everything
+    mp.start_processes(_s3_worker, args=(world, port, device.type, sizes.s3_tokens, sizes.head_dim, results),
+                       nprocs=world, start_method="spawn" if device.type == "cuda" else "fork")
+    rows = [dict(r, rank=rank) for rank in sorted(results.keys()) for r in results[rank]]
+    tol = 3e-2 if device.type == "cuda" else 1e-9
+    for r in rows:
+        r["pass"] = r["max_rel_err"] <= tol and r["bytes_match_plan"]
+    worst = max((r["max_rel_err"] for r in rows), default=math.nan)
+    return {"pass": bool(rows) and all(r["pass"] for r in rows), "rows": rows, "tolerance": tol,
+            "nccl_env": nccl_env(0), "summary": f"{len(S3_CONFIGS)} configs x {world} ranks, max rel err {worst:.2e}"}
+
+
+def stage_s4(sizes: Sizes, device: torch.device, out_dir: str) -> dict:
+    runs = [section_training(sizes, device, out_dir, timeout_s=stage_cap_s("S4", device) / 2 - 5, cp=cp)
+            for cp in (1, 2)]
+    return {"pass": all(r["trains"] for r in runs), "runs": runs,
+            "summary": "; ".join(f"CP {r['cp']}: rc={r['returncode']} loss {r['losses'][:1]} -> {r['losses'][-1:]}"
+                                 for r in runs)}
+
+
+def stage_s5(sizes: Sizes, device: torch.device, out_dir: str) -> dict:
+    kernels = ["torch_flash"] if device.type == "cuda" and _kernel_ok("torch_flash") else ["torch"]
+    result = section_throughput(sizes, device, kernels, budget_s=stage_cap_s("S5", device) - 10)
+    worst = min((r["stage_over_all_fwd_bwd"] for r in result["ratios"]), default=math.nan)
+    result["pass"] = bool(result["ratios"])
+    result["summary"] = f"kernels {kernels}, lowest UPipe-stage / all-heads TFLOP/s ratio {worst:.3f}"
+    return result
+
+
+STAGE_FUNCTIONS = {"S0": stage_s0, "S1": stage_s1, "S2": stage_s2, "S3": stage_s3, "S4": stage_s4, "S5": stage_s5}
+
+
+def _versions() -> dict:
+    out = {}
+    for module in ("flash_attn", "transformer_engine", "megatron.core"):
+        try:
+            out[module] = importlib.import_module(module).__version__
+        except Exception as err:  # report, never fail, on a missing or broken install
+            out[module] = f"unavailable ({type(err).__name__})"
+    return out
+
+
+def run_stage(stage: str, out_dir: str, dry_run: bool) -> int:
+    """One stage in this process: its JSON goes to ``OUT/<stage>.json`` (a traceback on failure)."""
+    device = torch.device("cpu" if dry_run else "cuda")
+    sizes = CPU_SIZES if dry_run else Sizes()
+    start = time.perf_counter()
+    try:
+        result = STAGE_FUNCTIONS[stage](sizes, device, out_dir)
+    except Exception:  # recorded; the orchestrator runs the next stage
+        result = {"pass": False, "error": traceback.format_exc()}
+    result["seconds"] = time.perf_counter() - start
+    with open(os.path.join(out_dir, f"{stage}.json"), "w") as f:
+        json.dump(result, f, indent=1, default=str)
+    return 0 if result["pass"] else 1
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("out_dir", nargs="?", default=os.environ.get("OUT", "gpu_check_out"),
+                        help="directory for the JSON results (default: $OUT)")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="every stage on CPU (gloo, the reference kernel, tiny shapes)")
+    parser.add_argument("--stages", default=",".join(STAGES), help="comma-separated subset of " + ",".join(STAGES))
+    parser.add_argument("--total-s", type=float, default=None,
+                        help="time for all stages together (default: 9 minutes on the GPU; the dry run: the stages' caps)")
+    parser.add_argument("--stage", choices=STAGES, help=argparse.SUPPRESS)  # one stage, in a subprocess
+    args = parser.parse_args(argv)
+    os.makedirs(args.out_dir, exist_ok=True)
+    if args.stage:
+        return run_stage(args.stage, args.out_dir, args.dry_run)
+    if not args.dry_run and not torch.cuda.is_available():
+        parser.error("no CUDA device here; use --dry-run to run every stage on CPU")
+    stages = [s.strip() for s in args.stages.split(",")]
+    if not set(stages) <= set(STAGES):
+        parser.error(f"--stages={args.stages!r}: allowed values are {', '.join(STAGES)}")
+    report = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+              "dry_run": args.dry_run, "stages": {}}
+    total_s = args.total_s or (DRY_RUN_CAP_S * len(stages) if args.dry_run else sum(STAGE_CAPS_S.values()))
+    deadline = time.perf_counter() + total_s
+    env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    for stage in stages:
+        cap = min(DRY_RUN_CAP_S if args.dry_run else STAGE_CAPS_S[stage], deadline - time.perf_counter())
+        path = os.path.join(args.out_dir, f"{stage}.json")
+        if os.path.exists(path):
+            os.remove(path)
+        start = time.perf_counter()
+        cmd = [sys.executable, os.path.abspath(__file__), args.out_dir, "--stage", stage] + \
+            (["--dry-run"] if args.dry_run else [])
+        try:
+            proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=max(cap, 1))
+            tail = (proc.stdout + proc.stderr)[-2000:]
+        except subprocess.TimeoutExpired:
+            tail = f"killed after its {cap:.0f} s cap"
+        if os.path.exists(path):
+            with open(path) as f:
+                result = json.load(f)
+        else:
+            result = {"pass": False, "error": tail}
+        result["wall_s"] = time.perf_counter() - start
+        report["stages"][stage] = result
+        with open(os.path.join(args.out_dir, "gpu_check.json"), "w") as f:  # rewritten after every stage
+            json.dump(report, f, indent=1, default=str)
+        verdict = "PASS" if result.get("pass") else "FAIL"
+        detail = result.get("summary") or (result.get("error") or "").strip().splitlines()[-1:]
+        print(f"[gpu_check] {stage} {STAGE_NAMES[stage]}: {verdict} in {result['wall_s']:.1f} s: {detail}",
+              flush=True)
+    return 0 if all(r.get("pass") for r in report["stages"].values()) else 1
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    if len(sys.argv) > 1 and sys.argv[1] == "--with-rank-hostid":
+        _run_with_rank_hostid(sys.argv[2:])
+    else:
+        sys.exit(main())

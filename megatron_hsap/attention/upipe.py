@@ -56,7 +56,8 @@ def rope_angles(position_ids: torch.Tensor, rotary_dim: int, base: float = 10000
     """Megatron's RoPE angles ``[t, rotary_dim]`` (fp32) for int positions ``[t]``: inv_freq =
     base^(-2i/rotary_dim), angles = cat(pos * inv_freq, pos * inv_freq), or with ``interleaved``
     each angle twice in a row (the layout of Megatron's ``RotaryEmbedding(rotary_interleaved=True)``)."""
-    inv_freq = 1.0 / (base ** (torch.arange(0, rotary_dim, 2, dtype=torch.float32) / rotary_dim))
+    inv_freq = 1.0 / (base ** (torch.arange(0, rotary_dim, 2, dtype=torch.float32, device=position_ids.device)
+                         / rotary_dim))
     angles = torch.outer(position_ids.to(torch.float32), inv_freq)
     if interleaved:
         return torch.stack((angles, angles), dim=-1).flatten(-2)
@@ -604,7 +605,7 @@ def head_chunked_attention(hidden: torch.Tensor, qkv_weight: torch.Tensor, qkv_b
     if rotary_freqs is not None:
         angles = rotary_freqs.reshape(plan.tokens_per_rank, -1)
     elif rope_base is not None:
-        angles = rope_angles(plan.position_ids, head_dim, rope_base, rotary_interleaved).to(hidden.device)
+        angles = rope_angles(plan.position_ids_on(hidden.device), head_dim, rope_base, rotary_interleaved)
     else:
         angles = None
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(head_dim)

@@ -1,6 +1,6 @@
-"""Shared machinery of the varlen GPU kernels (flash-attn, TransformerEngine).
+"""Shared machinery of the varlen GPU kernels (PyTorch's fused varlen attention, flash-attn, TransformerEngine).
 
-Both libraries compute packed ``[t, h, d]`` attention over sequences given by
+The libraries compute packed ``[t, h, d]`` attention over sequences given by
 ``cu_seqlens``: each query row belongs to at most one sequence per call and a
 sequence's query and key rows are contiguous in the packed buffers. An
 ``AttentionBlocks`` description is more general (several blocks may share query
@@ -14,7 +14,7 @@ rows; key ranges may repeat across blocks), so one kernel call becomes several
 - q/k/v rows of a pass are gathered into packed buffers (a plain view when the
   pass's segments are already adjacent, as for a packed batch's diagonal blocks);
 - pass results are merged with the log-sum-exp in fp32, exactly like the ring
-  steps of context-parallel attention (as TransformerEngine's ring attention, ``context_parallel.py``);
+  steps of context-parallel attention (as TransformerEngine's ring attention merges its steps);
 - the backward of each pass runs with the *final* out/lse of its rows (the
   libraries accept them as inputs) and its grads are scatter-added in fp32.
 
@@ -121,7 +121,14 @@ def _row_index(segments: Tuple[Segment, ...], device: torch.device) -> torch.Ten
 
 def signature_parameters(fn: Callable) -> Dict[str, inspect.Parameter]:
     """Parameters of ``fn`` as installed; a ``torch.library.custom_op`` (flash-attn >= 2.7 wraps its
-    low-level functions in one) exposes only ``(*args, **kwargs)`` and keeps the function in ``_init_fn``."""
+    low-level functions in one) exposes only ``(*args, **kwargs)`` and keeps the function in ``_init_fn``;
+    a ``torch.ops`` operator (``torch.ops.aten._flash_attention_forward``) has its registered schema."""
+    schema = getattr(getattr(fn, "default", None), "_schema", None)
+    if schema is not None:
+        return {a.name: inspect.Parameter(a.name, inspect.Parameter.KEYWORD_ONLY if a.kwarg_only else
+                                          inspect.Parameter.POSITIONAL_OR_KEYWORD,
+                                          default=a.default_value if a.has_default_value() else inspect.Parameter.empty)
+                for a in schema.arguments}
     return dict(inspect.signature(getattr(fn, "_init_fn", fn)).parameters)
 
 

@@ -5,7 +5,7 @@ functions ``fused_attn_fwd`` / ``fused_attn_bwd`` with ``qkv_layout="thd_thd_thd
 (packed tokens with cu_seqlens, the padded offsets equal to the plain ones) and
 the ``F16_arbitrary_seqlen`` backend, as TE's own context-parallel code does.
 
-Supported releases: TransformerEngine 2.0 to 2.18, every release whose
+Supported releases: TransformerEngine 2.0 to 2.20, every release whose
 signatures were read from TE's public source (``pip install
 transformer-engine[pytorch]``); CUDA with cuDNN, fp16/bf16, head dims that are
 multiples of 8 up to 128, GQA natively. The keyword arguments are built from the
@@ -19,16 +19,17 @@ against are ``tests/library_signatures.py``.
 
 Backend support is TE's to decide, so it is asked, not assumed: TE's
 ``get_fused_attn_backend`` query (positional, 14 to 19 arguments depending on
-the release) is run once when the kernel is built for a representative shape
+the release; from 2.20 one ``FusedAttentionParams`` object, answered with
+``(backend, reject message)``, the message quoted when a call falls back) is run once when the kernel is built for a representative shape
 (bf16, MHA, head dim 128, causal, 4096 tokens) -- on a device where even that
 has no fused backend (THD needs sm90+ and cuDNN >= 9.1; cuDNN 9.10.0/9.10.1 are
 excluded) building the kernel is a RuntimeError with the reason, which
-``get_kernel("auto")`` turns into a fall-back to flash-attn, then torch -- and
+``get_kernel("auto")`` turns into a fall-back to flash-attn, then torch_flash, then torch -- and
 once per distinct pass shape (dtype, heads, KV heads, head dim, mask, max
 lengths; GQA + THD needs cuDNN >= 9.6, a bottom-right causal mask cuDNN >= 9.6
 with lengths a multiple of 64, or TE >= 2.2 with cuDNN >= 9.7). A call with a pass TE does not
 support is delegated whole (forward and backward alike, same blocks, same
-decision) to the flash kernel if it is available, else the torch kernel, with
+decision) to the flash kernel if it is available, else torch_flash where it runs, else the torch kernel, with
 one warning on rank 0 per shape class; so is every call with a sliding window (its
 alignment on TE's THD masks is not verified yet). Causal passes whose segments are square use
 the top-left ``padding_causal`` mask (the same mask there, accepted by older
@@ -58,14 +59,14 @@ from megatron_hsap.kernels.gpu_common import (VarlenPass, VarlenPassKernel, acce
                                               split_into_passes, version_tuple, warn_once_on_rank0)
 
 MIN_VERSION = (2, 0, 0)
-NEWEST_VERIFIED = (2, 18)  # the newest release whose signatures were read (tests/library_signatures.py)
+NEWEST_VERIFIED = (2, 20)  # the newest release whose signatures were read (tests/library_signatures.py)
 RAGGED_STATS_CUDNN = (9, 6, 0)
 PROBE_SHAPE = dict(h_q=8, h_kv=8, head_dim=128, max_seqlen_q=4096, max_seqlen_kv=4096)
 PACKAGE_HINT = ("transformer-engine[pytorch]>=2.0 (signatures verified up to "
                 + ".".join(map(str, NEWEST_VERIFIED)) + ")")
 
 # What this kernel passes to fused_attn_fwd / fused_attn_bwd (each only where the installed function has it)
-# and the parameters it leaves at their defaults, reviewed in every release from 2.0 to 2.18.
+# and the parameters it leaves at their defaults, reviewed in every release from 2.0 to 2.20.
 FWD_PASSED = ("is_training", "max_seqlen_q", "max_seqlen_kv", "cu_seqlens_q", "cu_seqlens_kv", "q", "k", "v",
               "fake_dtype", "fused_attention_backend", "cu_seqlens_q_padded", "cu_seqlens_kv_padded", "attn_scale",
               "dropout", "qkv_layout", "o_format", "attn_bias_type", "attn_mask_type")
@@ -91,8 +92,20 @@ QUERY_ARGUMENTS: Dict[int, List[str]] = {
     17: ["is_training"] + _QUERY_BASE[:5] + ["softmax_type"] + _QUERY_BASE[5:] + ["return_max_logit"],  # 2.9
 }
 QUERY_ARGUMENTS[18] = QUERY_ARGUMENTS[17] + ["cuda_graph"]            # 2.10 - 2.11
-QUERY_ARGUMENTS[19] = QUERY_ARGUMENTS[18] + ["deterministic"]         # 2.12 - 2.18
-_QUERY_ARITY_BY_VERSION = ((2, 12, 19), (2, 10, 18), (2, 9, 17), (2, 8, 16), (2, 5, 15), (2, 0, 14))
+QUERY_ARGUMENTS[19] = QUERY_ARGUMENTS[18] + ["deterministic"]         # 2.12 - 2.19
+QUERY_ARGUMENTS[1] = ["params"]  # 2.20: one FusedAttentionParams, answered with (backend, message)
+_QUERY_ARITY_BY_VERSION = ((2, 20, 1), (2, 12, 19), (2, 10, 18), (2, 9, 17), (2, 8, 16), (2, 5, 15), (2, 0, 14))
+#: FusedAttentionParams fields (2.20) this kernel sets; the others, reviewed, keep their defaults (paged KV,
+#: bias shapes, FP8 scaling and scale-inverse formats, the softmax scale, which the query does not depend on here)
+PARAMS_PASSED = ("is_training", "deterministic", "cuda_graph", "return_max_logit", "attn_mask_type", "bias_type",
+                 "window_size_left", "window_size_right", "bottom_right_diagonal", "softmax_type", "dropout",
+                 "qkv_dtype", "o_dtype", "do_dtype", "dqkv_dtype", "qkv_layout", "o_format", "do_format",
+                 "dqkv_layout", "batch_size", "num_attn_heads", "num_gqa_groups", "head_dim_qk", "head_dim_v",
+                 "max_seqlen_q", "max_seqlen_kv", "num_tokens_q", "num_tokens_kv")
+PARAMS_DEFAULTS_OK = ("scaling_mode", "attn_scale", "qkv_scale_inv_format", "do_scale_inv_format", "num_pages_k",
+                      "num_pages_v", "page_size_k", "page_size_v", "max_pages_per_seq_k", "max_pages_per_seq_v",
+                      "bias_batch_size", "bias_num_heads", "bias_seqlen_q", "bias_seqlen_kv")
+PARAMS_MODULE = "transformer_engine.pytorch.attention.dot_product_attention.utils"
 
 _log = logging.getLogger(__name__)
 
@@ -177,11 +190,15 @@ class TEAttentionKernel(VarlenPassKernel):
                 raise RuntimeError(f"{label} get_fused_attn_backend takes {arity} arguments, a layout new to "
                                    "megatron_hsap")
             self._query, self._query_names = fused_attn.tex.get_fused_attn_backend, QUERY_ARGUMENTS[arity]
+            if self._query_names == ["params"]:
+                self._params_cls = importlib.import_module(PARAMS_MODULE).FusedAttentionParams
+                self._params_keywords = accepted_keywords(self._params_cls, PARAMS_PASSED, PARAMS_DEFAULTS_OK,
+                                                          f"{label} FusedAttentionParams")
             self._backend = fused_attn.FusedAttnBackend["F16_arbitrary_seqlen"]
             self._te_dtype = constants.TE_DType
             capability = tuple(utils.get_device_compute_capability())
             cudnn = tuple(utils.get_cudnn_version())
-        except (AttributeError, KeyError) as err:  # a module layout this package does not know
+        except (AttributeError, KeyError, ImportError) as err:  # a module layout this package does not know
             raise RuntimeError(f"{label}: {type(err).__name__} {err} while reading its fused attention API; "
                                f"{hint}") from None
         except RuntimeError as err:
@@ -196,17 +213,20 @@ class TEAttentionKernel(VarlenPassKernel):
         #: calls (forward or backward) delegated to the fallback kernel; reports show it next to TE's figures
         self.fallback_calls = 0
         try:
-            supported = self._supported(torch.bfloat16, causal_mask="padding_causal", **PROBE_SHAPE)
+            supported, reason = self._supported(torch.bfloat16, causal_mask="padding_causal", **PROBE_SHAPE)
         except (TypeError, ValueError) as err:  # pybind11 rejects the arguments: a query layout new to us
             raise RuntimeError(f"{label}: get_fused_attn_backend rejected its arguments ({err}); {hint}") from None
         if not supported:
             raise RuntimeError(f"{label}: no fused THD attention backend on this device ({self._device}; TE needs "
-                               "sm90+ and cuDNN >= 9.1, not 9.10.0/9.10.1); use kernel='flash' or 'torch'")
+                               f"sm90+ and cuDNN >= 9.1, not 9.10.0/9.10.1){reason}; use kernel='flash' or 'torch'")
 
     def _query_supported(self, dtype: torch.dtype, h_q: int, h_kv: int, head_dim: int, causal_mask: str,
-                         max_seqlen_q: int, max_seqlen_kv: int) -> bool:
-        """TE's own answer (``get_fused_attn_backend``) for one pass shape: the arbitrary-seqlen backend or not."""
+                         max_seqlen_q: int, max_seqlen_kv: int) -> Tuple[bool, str]:
+        """TE's own answer (``get_fused_attn_backend``) for one pass shape: whether it is the arbitrary-seqlen
+        backend, and TE's reason when it is not (``": <message>"`` from 2.20 on, else empty)."""
         fa = self._fused_attn
+        if self._query_names == ["params"]:
+            return self._query_params(dtype, h_q, h_kv, head_dim, causal_mask, max_seqlen_q, max_seqlen_kv)
         values = dict(is_training=True, q_dtype=self._te_dtype[dtype], kv_dtype=self._te_dtype[dtype],
                       qkv_layout=fa.QKVLayout["thd_thd_thd"], bias_type=fa.AttnBiasType["no_bias"],
                       attn_mask_type=fa.AttnMaskType[causal_mask], p_dropout=0.0, num_attn_heads=h_q,
@@ -215,7 +235,25 @@ class TEAttentionKernel(VarlenPassKernel):
                       return_max_logit=False, cuda_graph=False, deterministic=False)
         if "softmax_type" in self._query_names:
             values["softmax_type"] = fa.SoftmaxType["vanilla"]
-        return self._query(*(values[name] for name in self._query_names)) == self._backend
+        return self._query(*(values[name] for name in self._query_names)) == self._backend, ""
+
+    def _query_params(self, dtype: torch.dtype, h_q: int, h_kv: int, head_dim: int, causal_mask: str,
+                      max_seqlen_q: int, max_seqlen_kv: int) -> Tuple[bool, str]:
+        """The 2.20 query: one FusedAttentionParams for a THD pass of this shape (one sequence of the longest
+        lengths stands for the batch), answered with (backend, message)."""
+        fa, te_dtype = self._fused_attn, self._te_dtype[dtype]
+        values = dict(is_training=True, deterministic=False, cuda_graph=False, return_max_logit=False,
+                      attn_mask_type=fa.AttnMaskType[causal_mask], bias_type=fa.AttnBiasType["no_bias"],
+                      window_size_left=-1, window_size_right=-1,
+                      bottom_right_diagonal=causal_mask == "padding_causal_bottom_right",
+                      softmax_type=fa.SoftmaxType["vanilla"], dropout=0.0, qkv_dtype=te_dtype, o_dtype=te_dtype,
+                      do_dtype=te_dtype, dqkv_dtype=te_dtype, qkv_layout=fa.QKVLayout["thd_thd_thd"],
+                      o_format=fa.QKVFormat["thd"], do_format=fa.QKVFormat["thd"],
+                      dqkv_layout=fa.QKVLayout["thd_thd_thd"], batch_size=1, num_attn_heads=h_q,
+                      num_gqa_groups=h_kv, head_dim_qk=head_dim, head_dim_v=head_dim, max_seqlen_q=max_seqlen_q,
+                      max_seqlen_kv=max_seqlen_kv, num_tokens_q=max_seqlen_q, num_tokens_kv=max_seqlen_kv)
+        backend, message = self._query(self._params_cls(**{n: values[n] for n in self._params_keywords}))
+        return backend == self._backend, (f": {message}" if message else "")
 
     def _unsupported_pass(self, q: torch.Tensor, k: torch.Tensor, blocks: AttentionBlocks) -> Optional[dict]:
         """The first pass shape TE has no fused backend for, else None. Sliding-window passes are not sent to
@@ -225,22 +263,26 @@ class TEAttentionKernel(VarlenPassKernel):
                 return dict(window_size=p.window, dtype=q.dtype)
             shape = dict(h_q=q.shape[1], h_kv=k.shape[1], head_dim=q.shape[2], causal_mask=mask_type(p),
                          max_seqlen_q=p.max_seqlen_q, max_seqlen_kv=p.max_seqlen_k)
-            if not self._supported(q.dtype, **shape):
-                return dict(shape, dtype=q.dtype)
+            supported, reason = self._supported(q.dtype, **shape)
+            if not supported:
+                return dict(shape, dtype=q.dtype, reason=reason)
         return None
 
     def _fallback(self, shape: dict) -> AttentionKernel:
-        """flash-attn if it is there, else torch; announced on rank 0 once per shape class (lengths aside,
-        which change with every batch)."""
+        """flash-attn if it is there, else PyTorch's fused varlen kernel where it runs, else torch; announced on
+        rank 0 once per shape class (lengths aside, which change with every batch) with TE's reason if it gave one."""
         if self._fallback_kernel is None:
             from megatron_hsap.kernels.flash_kernel import FlashAttentionKernel
+            from megatron_hsap.kernels.torch_flash_kernel import TorchFlashAttentionKernel
             from megatron_hsap.kernels.torch_kernel import TorchAttentionKernel
-            self._fallback_kernel = FlashAttentionKernel() if FlashAttentionKernel.is_available() \
-                else TorchAttentionKernel()
+            available = [cls for cls in (FlashAttentionKernel, TorchFlashAttentionKernel) if cls.is_available()]
+            self._fallback_kernel = available[0]() if available else TorchAttentionKernel()
         self.fallback_calls += 1
+        shape = dict(shape)
+        reason = shape.pop("reason", "")
         described = ", ".join(f"{key}={value}" for key, value in shape.items())
         warn_once_on_rank0(_log, f"megatron_hsap: {self._label} has no fused attention backend for {described} "
-                                 f"({self._device}); such calls use the {self._fallback_kernel.name!r} kernel",
+                                 f"({self._device}{reason}); such calls use the {self._fallback_kernel.name!r} kernel",
                            key=("te-fallback",) + tuple(v for k, v in shape.items() if not k.startswith("max_")))
         return self._fallback_kernel
 

@@ -160,7 +160,7 @@ class HSAPSelfAttention(SelfAttention):
         if query.shape[1] != 1:
             raise ValueError(f"HSAPSelfAttention expects one packed stream (batch dim 1), got {query.shape[1]}")
         if q_table is not None:
-            positions = plan.position_ids.to(q_table.device)
+            positions = plan.position_ids_on(q_table.device)  # copied once per micro-batch, not per layer
             query = apply_rotary_pos_emb(query, q_table[positions], config=self.config)
             key = apply_rotary_pos_emb(key, k_table[positions], config=self.config)
 
@@ -199,7 +199,7 @@ class HSAPSelfAttention(SelfAttention):
             hidden = copy_to_tensor_model_parallel_region(hidden, group=tp_group)
         freqs = None
         if q_table is not None:
-            freqs = q_table[plan.position_ids.to(q_table.device)].reshape(plan.tokens_per_rank, -1)
+            freqs = q_table[plan.position_ids_on(q_table.device)].reshape(plan.tokens_per_rank, -1)
         bias = self.linear_qkv.bias
         if bias is not None and bias.numel() == 0:  # TE keeps an empty tensor when bias=False
             bias = None

@@ -163,14 +163,17 @@ class SequenceParallelTorchNorm:
     """Patch 7: a torch LayerNorm/RMSNorm usable with ``sequence_parallel=True`` (CPU layer specs).
 
     Called like Megatron's norm builders: ``(config, hidden_size, eps)``; returns a plain
-    torch module whose parameters are marked for Megatron's TP gradient all-reduce.
+    torch module whose parameters are marked for Megatron's TP gradient all-reduce, created on the
+    device Megatron's own layers use (``torch.cuda.current_device()`` unless ``use_cpu_initialization``).
     """
 
     def __new__(cls, config: Any, hidden_size: int, eps: float = 1e-5) -> torch.nn.Module:
+        # where Megatron's own layers put their parameters (its use_cpu_initialization rule)
+        device = "cpu" if config.use_cpu_initialization else torch.cuda.current_device()
         if config.normalization == "LayerNorm":
-            norm = torch.nn.LayerNorm(hidden_size, eps=eps)
+            norm = torch.nn.LayerNorm(hidden_size, eps=eps, device=device)
         elif config.normalization == "RMSNorm":
-            norm = torch.nn.RMSNorm(hidden_size, eps=eps)
+            norm = torch.nn.RMSNorm(hidden_size, eps=eps, device=device)
         else:
             raise ValueError(f"normalization={config.normalization!r} is not supported; "
                              "allowed: 'LayerNorm', 'RMSNorm'")

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_hsap.config import LAYOUTS
+from megatron_hsap.device_cache import host_to_device
 from megatron_hsap.head_split import split_heads
 from megatron_hsap.parallel_state import CPTopology
 from megatron_hsap.sequence.cost_model import CostModel
@@ -269,6 +270,8 @@ class BatchPlan:
         self._data = data
         self.topology = topology
         self._local: Optional[Tuple[torch.Tensor, torch.Tensor]] = None
+        #: This rank's per-plan tensors already copied to a device (``position_ids_on``), by device.
+        self._on_device: Dict[torch.device, torch.Tensor] = {}
         #: Call signatures whose cross-rank agreement was checked (``attention.agreement``).
         self.verified_signatures: set = set()
 
@@ -334,6 +337,15 @@ class BatchPlan:
     def position_ids(self) -> torch.Tensor:
         """This rank's in-document positions ``[tokens_per_rank]`` (for RoPE)."""
         return self._local_tables()[1]
+
+    def position_ids_on(self, device: torch.device) -> torch.Tensor:
+        """``position_ids`` on ``device``, copied there once per plan (the plan's device cache): the micro-batch
+        moves it when it goes to the device (``PackedMicroBatch.to``) and every layer reuses that copy."""
+        device = torch.device(device)
+        cached = self._on_device.get(device)
+        if cached is None:
+            cached = self._on_device[device] = host_to_device(self.position_ids, device)
+        return cached
 
     @property
     def valid_mask(self) -> torch.Tensor:

@@ -6,7 +6,8 @@ on every rank without communication). Megatron's schedule multiplies by the CP
 size and DDP averages gradients over the data-and-context-parallel group, so the
 gradient equals the CP=1 gradient; the logged loss sums the CP parts.
 
-Devices: ``torch.cuda.set_device(LOCAL_RANK)`` comes before any CUDA work; micro-batches are
+Devices: ``torch.cuda.set_device(LOCAL_RANK % torch.cuda.device_count())`` comes before any CUDA work
+(``local_device_index``: several ranks may share one GPU, as in a one-GPU validation run); micro-batches are
 packed and planned on the host and moved to the model's device (``PackedMicroBatch.to``); every
 reduction (loss, CP byte counters) runs on tensors on that device, as NCCL requires.
 
@@ -42,7 +43,7 @@ from megatron_hsap.training.packing import PackedMicroBatch, document_cu_seqlens
 from megatron_hsap.training.plan_workers import plan_in_workers
 from megatron_hsap.training.startup import configuration_lines
 
-__all__ = ["pretrain", "forward_packed"]
+__all__ = ["pretrain", "forward_packed", "local_device_index"]
 
 
 def _init_distributed(args: argparse.Namespace) -> None:
@@ -50,11 +51,19 @@ def _init_distributed(args: argparse.Namespace) -> None:
     if backend == "auto":
         backend = "nccl" if torch.cuda.is_available() else "gloo"
     if torch.cuda.is_available():  # before any CUDA work: Megatron allocates on the current device
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(local_device_index(int(os.environ.get("LOCAL_RANK", 0)), torch.cuda.device_count()))
     if backend != "nccl":
         torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", 1))))
     dist.init_process_group(backend=backend, timeout=datetime.timedelta(minutes=args.distributed_timeout_minutes))
     progress.set_phase("start-up")
+
+
+def local_device_index(local_rank: int, device_count: int) -> int:
+    """The GPU of local rank ``local_rank``: ``local_rank % device_count``, so ranks may share GPUs (more ranks
+    than GPUs on a node, e.g. several ranks on one GPU); ValueError without a GPU."""
+    if device_count < 1:
+        raise ValueError(f"device_count={device_count}: no CUDA device to place local rank {local_rank} on")
+    return local_rank % device_count
 
 
 def _check_heads(args: argparse.Namespace, topology: Any) -> None:

@@ -17,7 +17,7 @@ from megatron_hsap.megatron.spec import (get_gpt_decoder_block_hsap_spec, transf
                                          use_transformer_engine)
 
 __all__ = ["transformer_config", "fusion_settings", "padded_vocab_size", "build_model", "build_gpt_chunk",
-           "layout_independent_init"]
+           "layout_independent_init", "model_device"]
 
 
 def padded_vocab_size(vocab_size: int, args: argparse.Namespace) -> int:
@@ -77,7 +77,8 @@ def _fused_wgrad_available() -> bool:
 
 
 def build_model(args: argparse.Namespace, config: Any, cp_config: ContextParallelConfig, vocab_size: int) -> List[Any]:
-    """GPTModel chunks for this pipeline rank (several with the interleaved schedule), DDP-wrapped."""
+    """GPTModel chunks for this pipeline rank (several with the interleaved schedule), moved whole to
+    ``model_device()`` and DDP-wrapped."""
     from megatron.core import parallel_state as mpu
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
@@ -91,12 +92,18 @@ def build_model(args: argparse.Namespace, config: Any, cp_config: ContextParalle
                                 vp_stage=stage)
         if args.layout_independent_init:
             layout_independent_init(model, args.seed, args.init_method_std, args.num_layers)
-        chunks.append(model)
+        chunks.append(model.to(model_device()))  # every parameter and buffer, before DDP builds its buffers
     ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=not getattr(args, "grad_reduce_in_bf16", False),
                                                overlap_grad_reduce=False,
                                                use_distributed_optimizer=args.use_distributed_optimizer)
     return [DistributedDataParallel(config=config, ddp_config=ddp_config, module=m, disable_bucketing=i > 0)
             for i, m in enumerate(chunks)]
+
+
+def model_device() -> torch.device:
+    """The device the model is trained on: ``torch.cuda.current_device()`` (set from LOCAL_RANK by the loop)
+    where CUDA is available, else the CPU."""
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
 
 def build_gpt_chunk(args: argparse.Namespace, config: Any, cp_config: ContextParallelConfig, padded_vocab: int,

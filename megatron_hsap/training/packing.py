@@ -41,11 +41,14 @@ class PackedMicroBatch:
 
         Packing and planning run on the host; on CUDA the copies go through pinned memory
         with ``non_blocking=True`` so they overlap with work already queued. The plan itself
-        stays host-side: attention moves its small index tables to the device on use (cached).
+        stays host-side; its positions (RoPE's, in every attention layer) go to the device here,
+        once per micro-batch (``BatchPlan.position_ids_on``), and its small index tables on first use
+        (cached).
         """
         device = torch.device(device)
         if self.tokens.device == device:
             return self
+        plan = self.packed_seq_params.plan
 
         def move(t: torch.Tensor) -> torch.Tensor:
             if device.type == "cuda" and t.device.type == "cpu":
@@ -57,7 +60,7 @@ class PackedMicroBatch:
         params = replace(old, cu_seqlens_q=cu_q,
                          cu_seqlens_kv=cu_q if old.cu_seqlens_kv is old.cu_seqlens_q else move(old.cu_seqlens_kv))
         return PackedMicroBatch(tokens=move(self.tokens), labels=move(self.labels), loss_mask=move(self.loss_mask),
-                                position_ids=move(self.position_ids), packed_seq_params=params,
+                                position_ids=plan.position_ids_on(device).unsqueeze(0), packed_seq_params=params,
                                 num_loss_tokens=self.num_loss_tokens)
 
 
