@@ -42,7 +42,8 @@ def _run(flags: List[str], nproc: int, timeout: float = 420, env: Optional[Dict[
     the test (a hang is a bug). ``fresh``: in a new interpreter, else forked from the warm forkserver
     (``tests/cli_runs.py``: the same command line without ~6 s of imports; ``HSAP_TEST_FRESH_CLI=1`` makes
     every run fresh)."""
-    full_env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", **(env or {}))
+    full_env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    full_env.update(env or {})
     full_env.pop("RANK", None)
     full_env.pop("WORLD_SIZE", None)
     run = run_fresh if fresh or os.environ.get("HSAP_TEST_FRESH_CLI") == "1" else run_warm
@@ -172,6 +173,24 @@ def test_resume_is_exact_and_reshards_to_another_cp_mode_and_size(tmp_path, cach
                        "--ranks-per-node", "2", "--load", ckpt, name="hsap")
     assert [r["iteration"] for r in resharded] == [3, 4]
     _assert_matches(resharded, reference)
+
+
+def test_bf16_checkpoint_saves_and_resumes_without_warnings(tmp_path, cache_dir) -> None:
+    """bf16 with the distributed optimizer and RMSNorm on CPU: the norms are bf16 like every other parameter (fp32
+    norms broke the bf16 optimizer's checkpoint: 'Optimizer shape (64,) does not match model shape (192,)'), the
+    save and the resume succeed, and neither prints a warning under Python's default filters (Megatron-Core's
+    own deprecations are dropped)."""
+    ckpt = str(tmp_path / "ckpt")
+    flags = ["--bf16", "--use-distributed-optimizer", "--normalization", "RMSNorm", "--context-parallel-size", "2",
+             "--ranks-per-node", "1", "--save", ckpt, "--lr-warmup-iters", "1", "--global-batch-size", "2",
+             "--data-cache-path", cache_dir, "--eval-iters", "0", "--no-progress-bar"]
+    first = _run(flags + ["--train-iters", "2"], 2, env={"PYTHONWARNINGS": ""}, fresh=True)
+    assert first.returncode == 0, first.stderr[-3000:]
+    resumed = _run(flags + ["--train-iters", "3", "--load", ckpt], 2, env={"PYTHONWARNINGS": ""},
+                   fresh=True)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"loaded checkpoint from {ckpt} at iteration 2" in resumed.stdout
+    assert "Warning" not in first.stderr + resumed.stderr, first.stderr + resumed.stderr
 
 
 def test_a_longer_resumed_run_says_what_the_learning_rate_schedule_does(tmp_path, cache_dir, reference_run):

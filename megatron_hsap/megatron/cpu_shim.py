@@ -164,16 +164,18 @@ class SequenceParallelTorchNorm:
 
     Called like Megatron's norm builders: ``(config, hidden_size, eps)``; returns a plain
     torch module whose parameters are marked for Megatron's TP gradient all-reduce, created on the
-    device Megatron's own layers use (``torch.cuda.current_device()`` unless ``use_cpu_initialization``).
+    device and in the dtype Megatron's own layers use (``torch.cuda.current_device()`` unless
+    ``use_cpu_initialization``; ``params_dtype``): fp32 norms in a bf16 model would break the bf16
+    optimizer's checkpoint (its state no longer lines up with the parameters) and the fused norm kernels.
     """
 
     def __new__(cls, config: Any, hidden_size: int, eps: float = 1e-5) -> torch.nn.Module:
         # where Megatron's own layers put their parameters (its use_cpu_initialization rule)
         device = "cpu" if config.use_cpu_initialization else torch.cuda.current_device()
         if config.normalization == "LayerNorm":
-            norm = torch.nn.LayerNorm(hidden_size, eps=eps, device=device)
+            norm = torch.nn.LayerNorm(hidden_size, eps=eps, device=device, dtype=config.params_dtype)
         elif config.normalization == "RMSNorm":
-            norm = torch.nn.RMSNorm(hidden_size, eps=eps, device=device)
+            norm = torch.nn.RMSNorm(hidden_size, eps=eps, device=device, dtype=config.params_dtype)
         else:
             raise ValueError(f"normalization={config.normalization!r} is not supported; "
                              "allowed: 'LayerNorm', 'RMSNorm'")

@@ -81,12 +81,15 @@ def _check_heads(args: argparse.Namespace, topology: Any) -> None:
 
 def _kernel_description(requested: str) -> str:
     """The attention kernel this run uses and why (``auto``'s choice on this machine)."""
-    from megatron_hsap.kernels import get_kernel
+    from megatron_hsap.kernels import AutoKernel, get_kernel
 
     if requested != "auto":
         return f"{requested} (--attention-kernel)"
-    return (f"{get_kernel('auto').name} (--attention-kernel auto: the first available of "
-            f"{'te, flash, torch' if torch.cuda.is_available() else 'cpu_fused, torch'} on this machine)")
+    kernel = get_kernel("auto")
+    if isinstance(kernel, AutoKernel):
+        return (f"auto: per call shape and dtype, the first of {', '.join(k.name for k in kernel.kernels)} that "
+                "accepts it (the ones that load on this machine)")
+    return f"{kernel.name} (--attention-kernel auto: the first kernel that loads on this machine)"
 
 
 def _planned_micro_batches(args: argparse.Namespace, dataset: Any, dp_rank: int, first: int, stop: Optional[int],

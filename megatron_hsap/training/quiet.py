@@ -1,5 +1,6 @@
-"""Console output as Megatron-LM's ``pretrain_gpt.py`` keeps it: warnings from rank 0 only, and Megatron-Core's
-notices about missing optional packages (TransformerEngine, Apex: every CPU run) summarised in one line.
+"""Console output as Megatron-LM's ``pretrain_gpt.py`` keeps it: warnings from rank 0 only, Megatron-Core's
+notices about missing optional packages (TransformerEngine, Apex: every CPU run) summarised in one line, and
+PyTorch's deprecation notices for Megatron-Core's own calls dropped.
 
 Kept free of heavy imports: ``quiet_rank`` must run before Megatron-Core is imported.
 """
@@ -10,11 +11,17 @@ import importlib.util
 import logging
 import warnings
 
-__all__ = ["KNOWN_FALLBACK_WARNINGS", "quiet_rank", "fallback_summary"]
+__all__ = ["KNOWN_FALLBACK_WARNINGS", "KNOWN_MEGATRON_DEPRECATIONS", "quiet_rank", "fallback_summary"]
 
 #: Megatron-Core's import-time notices about TransformerEngine/Apex being absent (regexes matched at the start
 #: of the message); ``fallback_summary`` says the same once.
 KNOWN_FALLBACK_WARNINGS = ("Transformer Engine and Apex are not installed", "Apex is not installed")
+#: PyTorch's deprecation notices for calls Megatron-Core (0.16) makes inside its distributed optimizer and
+#: dist_checkpointing: nothing a user of this script can change (matched at the start of the message).
+KNOWN_MEGATRON_DEPRECATIONS = (r"`torch\.distributed\.reduce_scatter_tensor` is deprecated",
+                               r"`torch\.distributed\.all_gather_into_tensor` is deprecated",
+                               r"`load_state_dict` is deprecated",
+                               r"Please use DTensor instead and we are deprecating ShardedTensor")
 #: TransformerLayer logs this for every layer whose MLP is not a type it knows; the sequence-tiled MLP
 #: (megatron/sequence_chunks.py) is an MLP subclass and takes the default TP group, which is the right one.
 _EXPECTED_LAYER_LOG = "Unknown MLP type"
@@ -33,6 +40,8 @@ def quiet_rank(rank: int) -> None:
         warnings.filterwarnings("ignore")
     for message in KNOWN_FALLBACK_WARNINGS:
         warnings.filterwarnings("ignore", message=message)
+    for message in KNOWN_MEGATRON_DEPRECATIONS:
+        warnings.filterwarnings("ignore", message=message, category=FutureWarning)
     logging.getLogger("megatron.core.transformer.transformer_layer").addFilter(_not_expected)
 
 
