@@ -18,8 +18,12 @@ tests/test_gpu_signatures.py builds fake libraries with exactly these signatures
 the kernels pass (or a release they do not handle) fails on CPU.
 """
 
-# fused_attn_fwd / fused_attn_bwd are unchanged from 2.18 to 2.20
-TE_2_18_FWD = (
+# the 19 positional arguments of get_fused_attn_backend from 2.12 to 2.19
+TE_QUERY_2_12 = ('is_training q_dtype kv_dtype qkv_layout bias_type attn_mask_type softmax_type p_dropout '
+                 'num_attn_heads num_gqa_groups max_seqlen_q max_seqlen_kv head_dim_qk head_dim_v '
+                 'window_size_left window_size_right return_max_logit cuda_graph deterministic')
+# fused_attn_fwd / fused_attn_bwd are unchanged from 2.15 to 2.20
+TE_2_15_FWD = (
     '(is_training, max_seqlen_q, max_seqlen_kv, cu_seqlens_q, cu_seqlens_kv, q, k, v, fake_dtype, '
     'fused_attention_backend, attn_bias=None, cu_seqlens_q_padded=None, '
     'cu_seqlens_kv_padded=None, page_table_k=None, page_table_v=None, s_quantizer=None, '
@@ -28,7 +32,7 @@ TE_2_18_FWD = (
     "attn_mask_type='padding', softmax_type='vanilla', window_size=(-1, -1), "
     'bottom_right_diagonal=None, rng_gen=None, softmax_offset=None, return_max_logit=False, '
     'cuda_graph=False)')
-TE_2_18_BWD = (
+TE_2_15_BWD = (
     '(max_seqlen_q, max_seqlen_kv, cu_seqlens_q, cu_seqlens_kv, q, k, v, o, d_o, fake_dtype, '
     'aux_ctx_tensors, fused_attention_backend, cu_seqlens_q_padded=None, '
     'cu_seqlens_kv_padded=None, s_quantizer=None, dp_quantizer=None, dqkv_quantizer=None, '
@@ -163,10 +167,7 @@ TE_RELEASES = {
     ),
     "2.12": dict(
         softmax_type=True,
-        get_fused_attn_backend=(
-            'is_training q_dtype kv_dtype qkv_layout bias_type attn_mask_type softmax_type p_dropout '
-            'num_attn_heads num_gqa_groups max_seqlen_q max_seqlen_kv head_dim_qk head_dim_v '
-            'window_size_left window_size_right return_max_logit cuda_graph deterministic'),
+        get_fused_attn_backend=TE_QUERY_2_12,
         fused_attn_fwd=(
             '(is_training, max_seqlen_q, max_seqlen_kv, cu_seqlens_q, cu_seqlens_kv, q, k, v, fake_dtype, '
             'fused_attention_backend, attn_bias=None, cu_seqlens_q_padded=None, '
@@ -185,45 +186,21 @@ TE_RELEASES = {
     ),
     "2.15": dict(
         softmax_type=True,
-        get_fused_attn_backend=(
-            'is_training q_dtype kv_dtype qkv_layout bias_type attn_mask_type softmax_type p_dropout '
-            'num_attn_heads num_gqa_groups max_seqlen_q max_seqlen_kv head_dim_qk head_dim_v '
-            'window_size_left window_size_right return_max_logit cuda_graph deterministic'),
-        fused_attn_fwd=(
-            '(is_training, max_seqlen_q, max_seqlen_kv, cu_seqlens_q, cu_seqlens_kv, q, k, v, fake_dtype, '
-            'fused_attention_backend, attn_bias=None, cu_seqlens_q_padded=None, '
-            'cu_seqlens_kv_padded=None, page_table_k=None, page_table_v=None, s_quantizer=None, '
-            "o_quantizer=None, attn_scale=None, dropout=0.0, fast_zero_fill=True, qkv_layout='sbh3d', "
-            "o_format='sbhd', qkv_scale_inv_format=None, attn_bias_type='no_bias', "
-            "attn_mask_type='padding', softmax_type='vanilla', window_size=(-1, -1), "
-            'bottom_right_diagonal=None, rng_gen=None, softmax_offset=None, return_max_logit=False, '
-            'cuda_graph=False)'),
-        fused_attn_bwd=(
-            '(max_seqlen_q, max_seqlen_kv, cu_seqlens_q, cu_seqlens_kv, q, k, v, o, d_o, fake_dtype, '
-            'aux_ctx_tensors, fused_attention_backend, cu_seqlens_q_padded=None, '
-            'cu_seqlens_kv_padded=None, s_quantizer=None, dp_quantizer=None, dqkv_quantizer=None, '
-            "attn_scale=None, dropout=0.0, fast_zero_fill=True, qkv_layout='sbh3d', o_format='sbhd', "
-            "do_format='sbhd', dqkv_layout='sbh3d', qkv_scale_inv_format=None, do_scale_inv_format=None, "
-            "attn_bias_type='no_bias', attn_mask_type='padding', softmax_type='vanilla', window_size=(-1, "
-            '-1), bottom_right_diagonal=None, deterministic=False, cuda_graph=False)'),
+        get_fused_attn_backend=TE_QUERY_2_12,
+        fused_attn_fwd=TE_2_15_FWD,
+        fused_attn_bwd=TE_2_15_BWD,
     ),
     "2.18": dict(
         softmax_type=True,
-        get_fused_attn_backend=(
-            'is_training q_dtype kv_dtype qkv_layout bias_type attn_mask_type softmax_type p_dropout '
-            'num_attn_heads num_gqa_groups max_seqlen_q max_seqlen_kv head_dim_qk head_dim_v '
-            'window_size_left window_size_right return_max_logit cuda_graph deterministic'),
-        fused_attn_fwd=TE_2_18_FWD,
-        fused_attn_bwd=TE_2_18_BWD,
+        get_fused_attn_backend=TE_QUERY_2_12,
+        fused_attn_fwd=TE_2_15_FWD,
+        fused_attn_bwd=TE_2_15_BWD,
     ),
     "2.19": dict(
         softmax_type=True,
-        get_fused_attn_backend=(
-            'is_training q_dtype kv_dtype qkv_layout bias_type attn_mask_type softmax_type p_dropout '
-            'num_attn_heads num_gqa_groups max_seqlen_q max_seqlen_kv head_dim_qk head_dim_v '
-            'window_size_left window_size_right return_max_logit cuda_graph deterministic'),
-        fused_attn_fwd=TE_2_18_FWD,
-        fused_attn_bwd=TE_2_18_BWD,
+        get_fused_attn_backend=TE_QUERY_2_12,
+        fused_attn_fwd=TE_2_15_FWD,
+        fused_attn_bwd=TE_2_15_BWD,
     ),
     "2.20": dict(
         softmax_type=True,
@@ -238,8 +215,8 @@ TE_RELEASES = {
             'do_scale_inv_format batch_size num_attn_heads num_gqa_groups head_dim_qk head_dim_v max_seqlen_q '
             'max_seqlen_kv num_tokens_q num_tokens_kv num_pages_k num_pages_v page_size_k page_size_v '
             'max_pages_per_seq_k max_pages_per_seq_v bias_batch_size bias_num_heads bias_seqlen_q bias_seqlen_kv'),
-        fused_attn_fwd=TE_2_18_FWD,
-        fused_attn_bwd=TE_2_18_BWD,
+        fused_attn_fwd=TE_2_15_FWD,
+        fused_attn_bwd=TE_2_15_BWD,
     ),
 }
 
