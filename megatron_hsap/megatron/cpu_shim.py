@@ -1,4 +1,4 @@
-"""Run Megatron-Core 0.16.1 on CPU ranks (gloo): every CUDA-only spot, patched in one place.
+"""Run Megatron-Core (0.16.1 to 0.19.2) on CPU ranks (gloo): every CUDA-only spot, patched in one place.
 
 Megatron-Core assumes a GPU in a handful of places that have nothing to do with
 the model maths. ``apply_cpu_shim()`` patches exactly those, and only when this
@@ -17,7 +17,9 @@ Patches (each the smallest change that made a CPU run work):
    mappings and layers, p2p communication, grad buffers, checkpoint saver) is
    used as a ``device=`` argument: it returns ``"cpu"``.
 3. ``torch.cuda.synchronize()`` (p2p communication, async checkpoint writer):
-   a no-op, CPU ops are synchronous.
+   a no-op, CPU ops are synchronous. From 0.19 (``versions.GRAD_SYNC_USES_CUDA_STREAMS``) every
+   gradient sync also calls ``torch.cuda.current_stream()`` (``param_and_grad_buffer``): it returns
+   a stream that orders nothing (``_CpuStream``).
 4. Hard-coded ``device="cuda"`` / ``.cuda()`` (pipeline schedules, clip_grads,
    optimizer, grad scaler, distributed optimizer) and ``pin_memory=True`` (rotary
    CP slicing): a ``TorchFunctionMode`` maps such device arguments to CPU, drops
@@ -62,6 +64,8 @@ from typing import Any, Dict, Iterator, Optional
 import torch
 from torch.overrides import TorchFunctionMode
 
+from megatron_hsap.megatron import versions
+
 __all__ = ["apply_cpu_shim", "apply_bridge_cpu_shim", "cpu_config_overrides", "SequenceParallelTorchNorm",
            "transformer_engine_spec_without_te"]
 
@@ -97,6 +101,22 @@ class _CudaToCpuMode(TorchFunctionMode):
         if func is torch.Tensor.to and len(args) > 1:
             args = (args[0], _to_cpu_device(args[1])) + tuple(args[2:])
         return func(*args, **kwargs)
+
+
+class _CpuStream:
+    """Patch 3 and B5: a stand-in for a ``torch.cuda.Stream`` on CPU, where work is ordered already."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def wait_stream(self, stream: Any) -> None:
+        pass
+
+    def wait_event(self, event: Any) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
 
 
 class _CpuRNGStatesTrackerMixin:
@@ -146,6 +166,8 @@ def apply_cpu_shim() -> bool:
     mrandom.initialize_rng_tracker(force_reset=True)
     torch.cuda.current_device = lambda: "cpu"
     torch.cuda.synchronize = lambda device=None: None
+    if versions.GRAD_SYNC_USES_CUDA_STREAMS:
+        torch.cuda.current_stream = lambda device=None: _CpuStream()
     _MODE = _CudaToCpuMode()
     _MODE.__enter__()
     _ACTIVE = True
@@ -214,7 +236,9 @@ def transformer_engine_spec_without_te() -> Iterator[None]:
             delattr(te_ext, name)
 
     class SpecProviderWithoutTE(provider.TESpecProvider):
-        def layer_norm(self, rms_norm: bool = False, for_qk: bool = False) -> Any:
+        def layer_norm(self, rms_norm: bool = False, for_qk: bool = False, **kwargs: Any) -> Any:
+            # 0.19 adds has_residual (MoE layers); its residual-norm variant needs TE too, so either answer
+            # serves a spec that is only inspected
             return te_ext.TENorm
 
     gpt_layer_specs.TESpecProvider = SpecProviderWithoutTE
@@ -303,16 +327,6 @@ def _import_only_placeholders():
         yield
     finally:
         builtins.__import__ = real_import
-
-
-class _CpuStream:
-    """B5: a stand-in for ``torch.cuda.Stream`` on CPU, where work is ordered already."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        pass
-
-    def wait_stream(self, stream: Any) -> None:
-        pass
 
 
 class _NamespaceProxy(types.ModuleType):
