@@ -66,7 +66,7 @@ from torch.overrides import TorchFunctionMode
 
 from megatron_hsap.megatron import versions
 
-__all__ = ["apply_cpu_shim", "apply_bridge_cpu_shim", "cpu_config_overrides", "SequenceParallelTorchNorm",
+__all__ = ["apply_cpu_shim", "apply_bridge_cpu_shim", "apply_megatron_lm_cpu_shim", "cpu_config_overrides", "SequenceParallelTorchNorm",
            "transformer_engine_spec_without_te"]
 
 _ACTIVE = False
@@ -390,14 +390,71 @@ def _compile_helpers_unless_shipped(compile_helpers: Any) -> Any:
 
 
 def _seed_rng_tracker_too(set_random_seed: Any) -> Any:
-    """B4: run Bridge's seeding as if one GPU were counted, so it also seeds the (CPU) RNG tracker."""
+    """B4 (and L3): run the seeding as if one GPU were counted, so it also seeds the (CPU) RNG tracker."""
 
-    def seed(*args: Any, **kwargs: Any) -> None:
+    def seed(*args: Any, **kwargs: Any) -> Any:
         device_count = torch.cuda.device_count
         torch.cuda.device_count = lambda: 1
         try:
-            set_random_seed(*args, **kwargs)
+            return set_random_seed(*args, **kwargs)
         finally:
             torch.cuda.device_count = device_count
 
     return seed
+
+
+# --------------------------------------------------------------------------------------------------
+# Megatron-LM's own training loop (``megatron.training``) on CPU ranks (``apply_megatron_lm_cpu_shim``;
+# docs/training.md, "Megatron-LM entry point"): ``megatron_hsap.megatron_lm.main`` runs its unmodified
+# ``pretrain()`` once these spots are bridged (found by running it on a machine without CUDA/TE/apex):
+#
+# L1. ``pretrain()`` calls ``initialize_megatron`` without ``allow_no_cuda``: passed as True.
+# L2. ``_compile_dependencies`` runs ``compile_helpers()`` (``make`` in megatron/core/datasets), but the
+#     wheel ships the compiled ``helpers_cpp`` and no Makefile: skipped when ``helpers_cpp`` imports (B3).
+# L3. ``_initialize_distributed`` builds the model-parallel groups, and ``_set_random_seed`` seeds the
+#     RNG tracker, only when ``torch.cuda.device_count() > 0``: the process group is created with gloo
+#     (from torchrun's environment) first, then both run as if one GPU were counted.
+# L4. ``torch.cuda.Stream``/``stream``/``current_stream`` around DDP wrapping in ``training.get_model``:
+#     that module sees the CPU stand-ins of B5.
+# L5. ``validate_args`` asks ``get_device_arch_version()`` (a CUDA query) with TP or CP > 1, to require
+#     ``CUDA_DEVICE_MAX_CONNECTIONS=1`` before Blackwell: answered 10, as no CUDA stream exists to limit.
+# L6. Megatron-Core's rerun state machine (which Megatron-LM's ``train_step`` drives) saves and restores
+#     ``torch.cuda.get_rng_state()``: that module sees the CPU stand-ins of B5.
+# --------------------------------------------------------------------------------------------------
+
+_MEGATRON_LM_ACTIVE = False
+
+
+def apply_megatron_lm_cpu_shim() -> bool:
+    """``apply_cpu_shim()`` plus Megatron-LM's training-module spots L1-L6 above; imports ``megatron.training``.
+
+    Returns True when active, False on a CUDA machine (nothing patched). Idempotent.
+    """
+    global _MEGATRON_LM_ACTIVE
+    if _MEGATRON_LM_ACTIVE:
+        return True
+    if not apply_cpu_shim():
+        return False
+    from megatron.core import rerun_state_machine
+    from megatron.core.datasets import utils as dataset_utils
+    from megatron.training import arguments, initialize, training
+
+    training.initialize_megatron = functools.partial(initialize.initialize_megatron, allow_no_cuda=True)
+    dataset_utils.compile_helpers = _compile_helpers_unless_shipped(dataset_utils.compile_helpers)
+    initialize._initialize_distributed = _seed_rng_tracker_too(_gloo_first(initialize._initialize_distributed))
+    initialize._set_random_seed = _seed_rng_tracker_too(initialize._set_random_seed)
+    training.torch = rerun_state_machine.torch = _cpu_torch()
+    arguments.get_device_arch_version = lambda: 10
+    _MEGATRON_LM_ACTIVE = True
+    return True
+
+
+def _gloo_first(initialize_distributed: Any) -> Any:
+    """L3: the default process group is gloo's (torchrun's env://) before Megatron-LM's initialisation runs."""
+
+    def initialize(*args: Any, **kwargs: Any) -> Any:
+        if not torch.distributed.is_initialized():
+            torch.distributed.init_process_group("gloo")
+        return initialize_distributed(*args, **kwargs)
+
+    return initialize
