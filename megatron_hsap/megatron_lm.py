@@ -79,6 +79,9 @@ def _resolve_hsap_defaults(args: argparse.Namespace) -> None:
     implementation: it is set to 0 with a note on rank 0 naming the flag."""
     args.context_parallel_mode = args.context_parallel_mode or "hsap"
     args.attention_kernel = args.attention_kernel or "auto"
+    # Megatron-LM's default RoPE fusion needs TE and is never used by HSAP (see training.model.fusion_settings);
+    # off before Megatron-LM builds (and validates) the TransformerConfig from these flags
+    args.apply_rope_fusion = False
     from megatron_hsap.megatron.spec import transformer_engine_usable
 
     if args.transformer_impl == "transformer_engine" and not transformer_engine_usable():
