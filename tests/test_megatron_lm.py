@@ -228,9 +228,10 @@ def test_megatron_lm_defaults_are_resolved(capsys):
     assert "--attention-dropout 0.1 set to 0" in notes
     if not torch.cuda.is_available():
         assert args.transformer_impl == "local" and "--transformer-impl transformer_engine" in notes
+    assert args.apply_rope_fusion is False  # Megatron-LM's default needs TE; HSAP never uses it
     chosen = argparse.Namespace(context_parallel_mode="ring", attention_kernel="torch", attention_dropout=0.0,
-                                transformer_impl="local")
+                                transformer_impl="local", apply_rope_fusion=False)
     _resolve_hsap_defaults(chosen)
     assert vars(chosen) == dict(context_parallel_mode="ring", attention_kernel="torch", attention_dropout=0.0,
-                                transformer_impl="local")
+                                transformer_impl="local", apply_rope_fusion=False)
     assert capsys.readouterr().out == ""

@@ -19,6 +19,7 @@ from packaging.version import Version
 
 __all__ = ["TESTED_RANGE", "MEGATRON_CORE_VERSION", "MLP_SPEC_IS_BUILDER", "GRAD_SYNC_USES_CUDA_STREAMS",
            "MEGATRON_TRAINING_IN_WHEEL", "PRETRAIN_TAKES_CONFIG_CONTAINER", "GPT_MODEL_LOGS_DEPRECATION",
+           "NULL_TOKENIZER_LIBRARY", "NULL_TOKENIZER_VOCAB_INCLUDES_EOD",
            "check_megatron_core_version"]
 
 #: Oldest and newest megatron-core releases tested (both ends inclusive); setup.cfg's requirement matches.
@@ -47,6 +48,11 @@ MEGATRON_TRAINING_IN_WHEEL = _RELEASE >= Version("0.17")
 PRETRAIN_TAKES_CONFIG_CONTAINER = _RELEASE >= Version("0.18")
 #: 0.19+: ``GPTModel.__init__`` logs "GPTModel IS DEPRECATED" (pointing at ``HybridModel``) on every build.
 GPT_MODEL_LOGS_DEPRECATION = _RELEASE >= Version("0.19")
+
+#: Megatron-Core's ``NullTokenizer``: library "null" in 0.16, whose ``vocab_size`` ids come with EOD as one more
+#: id; "null-text" in 0.19, whose ``vocab_size`` includes EOD (= vocab_size - 1). 0.17/0.18 are not tested.
+NULL_TOKENIZER_LIBRARY = "null-text" if _RELEASE >= Version("0.19") else "null"
+NULL_TOKENIZER_VOCAB_INCLUDES_EOD = _RELEASE >= Version("0.19")
 
 
 def check_megatron_core_version(version: Version = MEGATRON_CORE_VERSION) -> bool:
