@@ -46,7 +46,8 @@ MEGATRON_TRAINING_IN_WHEEL = _RELEASE >= Version("0.17")
 #: 0.18+: Megatron-LM's ``pretrain()`` takes a ``PretrainConfigContainer`` first and no longer accepts
 #: ``args_defaults`` / ``extra_args_provider`` (``megatron_lm.main`` builds the container itself).
 PRETRAIN_TAKES_CONFIG_CONTAINER = _RELEASE >= Version("0.18")
-#: 0.19+: ``GPTModel.__init__`` logs "GPTModel IS DEPRECATED" (pointing at ``HybridModel``) on every build.
+#: 0.19+: ``GPTModel.__init__`` logs "GPTModel IS DEPRECATED" (pointing at ``HybridModel``) on every build;
+#: importing this module drops that line (``_not_gpt_model_deprecation``).
 GPT_MODEL_LOGS_DEPRECATION = _RELEASE >= Version("0.19")
 
 #: Megatron-Core's ``NullTokenizer``: library "null" in 0.16, whose ``vocab_size`` ids come with EOD as one more
@@ -66,24 +67,15 @@ def check_megatron_core_version(version: Version = MEGATRON_CORE_VERSION) -> boo
     return False
 
 
-class _FirstGPTModelDeprecationOnly(logging.Filter):
-    """Lets Megatron-Core 0.19's "GPTModel IS DEPRECATED" line through once per process, then drops it.
+def _not_gpt_model_deprecation(record: logging.LogRecord) -> bool:
+    """Drops Megatron-Core 0.19's "GPTModel IS DEPRECATED" line (logged for every model chunk of every run).
 
-    The notice points at ``HybridModel``; this package still builds ``GPTModel`` (and its subclass
-    ``HSAPGPTModel``), which 0.19 keeps for bug fixes, so the line would repeat for every model chunk and
-    every run without telling the user anything new (docs/training.md, "Supported versions")."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.seen = False
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        if not str(record.msg).startswith("GPTModel IS DEPRECATED"):
-            return True
-        first, self.seen = not self.seen, True
-        return first
+    The notice points at ``HybridModel``; this package builds ``GPTModel`` (and its subclass ``HSAPGPTModel``),
+    which 0.19 keeps for bug fixes, and the HSAP layer specs are GPT layer specs, so the line would only repeat
+    what docs/training.md ("Supported versions") says once: moving to ``HybridModel`` is future work."""
+    return not str(record.msg).startswith("GPTModel IS DEPRECATED")
 
 
 check_megatron_core_version()
 if GPT_MODEL_LOGS_DEPRECATION:
-    logging.getLogger("megatron.core.models.gpt.gpt_model").addFilter(_FirstGPTModelDeprecationOnly())
+    logging.getLogger("megatron.core.models.gpt.gpt_model").addFilter(_not_gpt_model_deprecation)

@@ -15,6 +15,11 @@ __all__ = ["KNOWN_FALLBACK_WARNINGS", "quiet_rank", "fallback_summary"]
 #: Megatron-Core's import-time notices about TransformerEngine/Apex being absent (regexes matched at the start
 #: of the message); ``fallback_summary`` says the same once.
 KNOWN_FALLBACK_WARNINGS = ("Transformer Engine and Apex are not installed", "Apex is not installed")
+#: Import-time notices of the current stack (megatron-core 0.19 with the registry's CUDA build of torch on a
+#: machine without CUDA) that say nothing about the run: absl is optional, MiMo is never used, and torch's
+#: C++-extension module finds no CUDA runtime (the run is on CPU by design).
+_IMPORT_NOTICES = ("absl.logging is not installed", "MimoModelConfig is experimental")
+_TORCH_EXTENSION_LOG = ("torch.utils.cpp_extension", "No CUDA runtime is found")
 #: TransformerLayer logs this for every layer whose MLP is not a type it knows; the sequence-tiled MLP
 #: (megatron/sequence_chunks.py) is an MLP subclass and takes the default TP group, which is the right one.
 _EXPECTED_LAYER_LOG = "Unknown MLP type"
@@ -31,9 +36,11 @@ def quiet_rank(rank: int) -> None:
     """
     if rank != 0:
         warnings.filterwarnings("ignore")
-    for message in KNOWN_FALLBACK_WARNINGS:
+    for message in KNOWN_FALLBACK_WARNINGS + _IMPORT_NOTICES:
         warnings.filterwarnings("ignore", message=message)
     logging.getLogger("megatron.core.transformer.transformer_layer").addFilter(_not_expected)
+    logger, message = _TORCH_EXTENSION_LOG
+    logging.getLogger(logger).addFilter(lambda record: not record.getMessage().startswith(message))
 
 
 def fallback_summary() -> str:
