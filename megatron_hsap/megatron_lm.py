@@ -1,23 +1,26 @@
-"""HSAP context parallelism inside Megatron-LM's own ``pretrain()`` (for people with a Megatron-LM checkout).
+"""HSAP context parallelism inside Megatron-LM's own ``pretrain()``.
 
-    PYTHONPATH=/path/to/Megatron-LM torchrun --nproc-per-node 8 -m megatron_hsap.megatron_lm \
+    torchrun --nproc-per-node 8 -m megatron_hsap.megatron_lm \
         <Megatron-LM's pretrain_gpt.py flags> --context-parallel-size 8 --context-parallel-mode hsap
 
-runs ``megatron.training.pretrain(train_valid_test_datasets_provider, model_provider,
-ModelType.encoder_or_decoder, forward_step, extra_args_provider=add_hsap_args)`` (docs/training.md,
-"Megatron-LM entry point"). The pieces, usable one by one from your own script:
+runs Megatron-LM's ``megatron.training.pretrain`` with this module's providers and forward step, in the
+calling form of the installed release (docs/training.md, "Megatron-LM entry point"): megatron-core 0.18+
+ships ``megatron.training`` in its wheel and takes a config container; with 0.16 put Megatron-LM's source
+(tag ``core_v0.16.1``) on PYTHONPATH. Without CUDA it runs on gloo ranks through
+``cpu_shim.apply_megatron_lm_cpu_shim``. The pieces, usable one by one from your own script:
 
 - ``add_hsap_args(parser)``: the HSAP flags (``--context-parallel-mode``, ``--ulysses-size``,
   ``--head-chunk-size``, ``--cp-layout``, ``--attention-kernel``, ``--ranks-per-node``,
   ``--mlp-sequence-chunks``, ``--loss-sequence-chunks``), none of which Megatron-LM defines;
   the definitions are this package's own (``training.arguments``), copied onto the parser.
-- ``model_provider``: a GPTModel with the HSAP layer spec; attaches the HSAP topology (Ulysses and ring
-  sub-groups) to the groups Megatron-LM initialised.
+- ``model_provider``: a GPTModel with the HSAP layer spec; resolves the defaults Megatron-LM's flags leave
+  (``_resolve_hsap_defaults``) and attaches the HSAP topology (Ulysses and ring sub-groups) to the groups
+  Megatron-LM initialised.
 - ``train_valid_test_datasets_provider``: Megatron-Core GPT datasets built on every rank, since every
   pipeline stage needs the micro-batch's plan (Megatron-LM's own provider builds them only on the first
   and last stage and slices sequences per CP rank, which a packed plan does itself).
 - ``get_batch`` / ``forward_step``: the unsliced packed micro-batch -> plan (from its document
-  boundaries) -> this CP rank's tokens, on the model's device; the loss is the training loop's.
+  boundaries) -> this CP rank's tokens, on the model's device; the loss as Megatron-LM's ``(sum, count)``.
 
 Only ``main()`` needs Megatron-LM (``megatron.training``); everything else runs on Megatron-Core alone.
 """
@@ -106,7 +109,8 @@ def model_provider(pre_process: bool = True, post_process: bool = True, vp_stage
     ``args``: Megatron-LM's (default ``megatron.training.get_args()``) with ``add_hsap_args``' flags;
     ``config``: its TransformerConfig (default Megatron-LM's ``core_transformer_config_from_args``).
     The model's config keeps ``context_parallel_size=1`` (HSAP does CP inside attention; Megatron's own CP
-    paths, e.g. rotary slicing, must stay off) and RoPE fusion off (see ``training.model.fusion_settings``).
+    paths, e.g. rotary slicing, must stay off), attention dropout 0 and only the fusions whose kernels exist
+    here (``training.model.fusion_settings``; RoPE fusion always off).
     ``pg_collection`` is accepted for Megatron-LM's signature; the model uses Megatron-Core's global groups.
     """
     from megatron_hsap.parallel_state import attach_cp_topology, cp_topology_is_initialized
