@@ -6,7 +6,6 @@ Fast (no processes): ``.venv/bin/python -m pytest tests/test_placement.py -q``.
 from __future__ import annotations
 
 import itertools
-import os
 import random
 from typing import Dict, List, Optional, Sequence, Set, Tuple
 
@@ -262,18 +261,13 @@ from megatron_hsap.sequence.doc_lengths import (  # noqa: E402
     cu_seqlens_from_lengths, lognormal_doc_lengths, pack_lengths)
 from megatron_hsap.sequence.plan import needed_rows, plan_batch  # noqa: E402
 from megatron_hsap.sequence.schedule import member_pieces  # noqa: E402
-
-
-#: The sizes ``stdlib_doc_lengths()`` gives under Python 3.11.7: the hand-checked facts below (a 105K-token file
-#: at offset 9, ...) are facts of this corpus, and another Python's standard library has other files.
-_STDLIB_3_11 = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "stdlib_3_11_doc_lengths.txt")
+from tests.stdlib_corpus import stdlib_3_11_doc_lengths  # noqa: E402
 
 
 def _heavy_tailed(seed: int) -> List[int]:
     """1M tokens of Python 3.11's standard library files (bytes as tokens): a few documents of several 100K
-    tokens (the frozen sizes of ``stdlib_doc_lengths()`` there, so every Python draws the same batches)."""
-    with open(_STDLIB_3_11) as f:
-        corpus = [int(x) for x in f.read().split()]
+    tokens (frozen sizes, so every Python draws the same batches: tests/stdlib_corpus.py)."""
+    corpus = stdlib_3_11_doc_lengths()
     return pack_lengths(corpus, 1 << 20, offset=(seed * 7919) % len(corpus))
 
 
