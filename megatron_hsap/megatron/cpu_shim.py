@@ -48,7 +48,9 @@ Patches (each the smallest change that made a CPU run work):
    structure can be inspected and tested on CPU.
 
 Megatron-Bridge's ``pretrain()`` needs a few more spots (B1-B5), applied by
-``apply_bridge_cpu_shim()``; they are listed in that section at the end of this module.
+``apply_bridge_cpu_shim()``, and Megatron-LM's own training loop (``megatron.training``) others
+(L1-L6), applied by ``apply_megatron_lm_cpu_shim()``; both are listed in their sections at the
+end of this module. What differs between megatron-core releases is keyed in ``versions.py``.
 """
 
 from __future__ import annotations
