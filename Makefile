@@ -6,7 +6,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 TORCH_CPU := torch==2.13.0
 
-.PHONY: venv demo test bench clean venv-bridge test-bridge gpu-bundle
+.PHONY: venv demo test bench clean venv-bridge test-bridge venv-latest test-latest gpu-bundle
 
 $(VENV)/.installed: setup.cfg pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -60,5 +60,29 @@ gpu-bundle:
 	rm -rf $(GPU_BUNDLE)/wheels
 	du -sh $(GPU_BUNDLE)
 
+# The current stack (docs/training.md, "Supported versions"): Python 3.12, megatron-core 0.19.2 (0.17+ needs
+# Python 3.12) and the registry's torch for it (a CUDA build, about 4 GB, which runs on CPU with gloo); the
+# whole suite. Python 3.12 is pyenv's newest 3.12 or python3.12 on PATH; LATEST_PYTHON=... overrides.
+LATEST_VENV := .venv-latest
+LATEST_PY := $(LATEST_VENV)/bin/python
+LATEST_STACK := megatron-core==0.19.2 torch==2.14.1
+LATEST_PYTHON ?= $(shell for p in $$(ls -d "$$(pyenv root 2>/dev/null)"/versions/3.12*/bin/python 2>/dev/null \
+	| sort -V | tail -1) $$(command -v python3.12); do "$$p" -c 'import sys; assert sys.version_info[:2] == (3, 12)' \
+	2>/dev/null && echo "$$p" && break; done)
+
+$(LATEST_VENV)/.installed: setup.cfg pyproject.toml
+	@test -n "$(LATEST_PYTHON)" || { echo "make test-latest needs Python 3.12 (megatron-core 0.17+ requires it) and" \
+		"found none: neither pyenv's versions/3.12* nor python3.12 on PATH. Install one (pyenv install 3.12)" \
+		"or pass LATEST_PYTHON=/path/to/python3.12" >&2; exit 1; }
+	$(LATEST_PYTHON) -m venv $(LATEST_VENV)
+	$(LATEST_PY) -m pip install -q --upgrade pip
+	$(LATEST_PY) -m pip install -q $(LATEST_STACK) -e ".[test,plots]"
+	touch $@
+
+venv-latest: $(LATEST_VENV)/.installed
+
+test-latest: venv-latest
+	$(LATEST_PY) -m pytest
+
 clean:
-	rm -rf $(VENV) $(BRIDGE_VENV) $(GPU_BUNDLE) *.egg-info runs checkpoints data_cache
+	rm -rf $(VENV) $(BRIDGE_VENV) $(LATEST_VENV) $(GPU_BUNDLE) *.egg-info runs checkpoints data_cache

@@ -126,6 +126,8 @@ def _loss_body(cp: int, mode: str, megatron_lm_path: bool) -> List[float]:
         losses = get_forward_backward_func()(forward_step_func=step, data_iterator=data, model=[model],
                                              num_microbatches=2, seq_length=2 * SEQ, micro_batch_size=1,
                                              forward_only=True)
+    if megatron_lm_path:  # Megatron-LM's (sum, count) of this CP rank per micro-batch
+        return [x["lm loss"].tolist() for x in losses]
     return [float(x["lm loss"]) for x in losses]
 
 
@@ -134,8 +136,11 @@ def test_forward_step_under_cp_matches_the_loop_at_cp1():
     assert len(expected) == 2 and all(4.0 < x < 6.0 for x in expected)  # ~ln(128) for a fresh model
     for mode in ("ulysses", "ring"):
         got = run_distributed_fresh(_loss_body, 2, 2, mode, True, timeout=180)
-        for rank_losses in got:  # every CP rank reports the micro-batch's whole loss
-            assert rank_losses == pytest.approx(expected, rel=1e-5, abs=0.0), (mode, rank_losses, expected)
+        # Megatron-LM sums the CP ranks' (loss sum, token count) pairs: every rank holds a part of each
+        assert all(0 < count < 2 * SEQ for rank in got for _, count in rank), got
+        merged = [sum(rank[i][0] for rank in got) / sum(rank[i][1] for rank in got) for i in range(2)]
+        assert [sum(rank[i][1] for rank in got) for i in range(2)] == [2 * SEQ, 2 * SEQ]
+        assert merged == pytest.approx(expected, rel=1e-5, abs=0.0), (mode, merged, expected)
 
 
 def test_main_without_megatron_lm_says_what_is_missing():
@@ -145,21 +150,88 @@ def test_main_without_megatron_lm_says_what_is_missing():
         with pytest.raises(SystemExit, match="put a Megatron-LM checkout on PYTHONPATH"):
             main(["--help"])
     else:
-        pytest.skip("Megatron-LM is importable here; test_pretrain_with_megatron_lm runs it instead")
+        pytest.skip("Megatron-LM is importable here; the real-pretrain() tests run it instead")
 
 
-def test_pretrain_with_megatron_lm(tmp_path):
-    pytest.importorskip("megatron.training", reason="Megatron-LM (megatron.training) is not installable from the "
-                                                    "package index; put a checkout on PYTHONPATH to run this")
-    if not torch.cuda.is_available():
-        pytest.skip("Megatron-LM's initialize_megatron needs a CUDA device")
+#: A tiny GPT for Megatron-LM's pretrain(): fixed seed, no dropout, 3 iterations of 2 samples (Megatron-LM's
+#: MockGPTDataset: the same samples whatever the parallel layout); documents split at EOD inside samples.
+PRETRAIN_FLAGS = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "128",
+                  "--max-position-embeddings", "128", "--micro-batch-size", "1", "--global-batch-size", "2",
+                  "--train-iters", "3", "--lr", "1e-3", "--mock-data", "--tokenizer-type", "NullTokenizer",
+                  "--vocab-size", "128", "--eval-iters", "1", "--eval-interval", "3", "--log-interval", "1",
+                  "--seed", "1234", "--hidden-dropout", "0", "--attention-dropout", "0", "--reset-attention-mask",
+                  "--reset-position-ids", "--transformer-impl", "local", "--disable-bias-linear",
+                  "--position-embedding-type", "rope"]
+
+
+def _pretrain(tmp_path, nproc: int, *flags: str) -> dict:
+    """Run ``python -m megatron_hsap.megatron_lm`` (Megatron-LM's real pretrain()) under torchrun; the logged
+    lm loss and grad norm of every iteration and the validation loss, parsed from Megatron-LM's log lines."""
+    import re
+
+    env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
+           "CUDA_DEVICE_MAX_CONNECTIONS": "1", "OMP_NUM_THREADS": "1"}
     result = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1", "-m",
-         "megatron_hsap.megatron_lm", "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
-         "--seq-length", "128", "--max-position-embeddings", "128", "--micro-batch-size", "1",
-         "--global-batch-size", "2", "--train-iters", "2", "--lr", "1e-4", "--mock-data", "--tokenizer-type",
-         "NullTokenizer", "--vocab-size", "128", "--eval-iters", "1", "--eval-interval", "2", "--bf16",
-         "--context-parallel-mode", "hsap", "--reset-attention-mask"],
-        cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stderr[-4000:]
-    assert "validation loss at iteration 2" in result.stdout
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc), "-m",
+         "megatron_hsap.megatron_lm", *PRETRAIN_FLAGS, "--data-cache-path", str(tmp_path / "cache"), *flags],
+        cwd=str(tmp_path), env=env, capture_output=True, text=True, timeout=400)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
+    out = result.stdout
+    iterations = re.findall(r"iteration\s+(\d+)/\s*3 \|.*?lm loss: ([0-9.E+-]+) \|.*?grad norm: ([0-9.]+) \|", out)
+    assert [int(i) for i, _, _ in iterations] == [1, 2, 3], out[-3000:]
+    (valid,) = re.findall(r"validation loss at iteration 3 \| lm loss value: ([0-9.E+-]+)", out)
+    return {"loss": [float(x) for _, x, _ in iterations], "grad_norm": [float(g) for _, _, g in iterations],
+            "valid": float(valid), "stdout": out}
+
+
+def _megatron_training_or_skip() -> None:
+    pytest.importorskip("megatron.training", reason="Megatron-LM's megatron.training is not importable: it ships "
+                                                    "in the megatron-core wheel from 0.17 (make test-latest); for "
+                                                    "0.16 put a Megatron-LM checkout (core_v0.16.1) on PYTHONPATH")
+
+
+@pytest.fixture(scope="module")
+def pretrain_cp1(tmp_path_factory) -> dict:
+    _megatron_training_or_skip()
+    return _pretrain(tmp_path_factory.mktemp("cp1"), 1)
+
+
+def test_pretrain_cp2_hsap_matches_cp1(pretrain_cp1, tmp_path):
+    """HSAP inside Megatron-LM's real pretrain() (2 gloo ranks, CP 2, hsap): the same logged losses, grad norms
+    and validation loss as CP 1, iteration by iteration."""
+    got = _pretrain(tmp_path, 2, "--context-parallel-size", "2", "--context-parallel-mode", "hsap")
+    assert 3.0 < pretrain_cp1["loss"][0] < 6.0  # ~ln(128) for a fresh model
+    assert got["loss"] == pytest.approx(pretrain_cp1["loss"], rel=1e-5, abs=0.0)
+    assert got["grad_norm"] == pytest.approx(pretrain_cp1["grad_norm"], abs=2e-3)  # logged with 3 decimals
+    assert got["valid"] == pytest.approx(pretrain_cp1["valid"], rel=1e-5, abs=0.0)
+
+
+def test_pretrain_dp2_logs_the_global_mean_loss(pretrain_cp1, tmp_path):
+    """With 2 data-parallel ranks the logged loss is the mean over both ranks' micro-batches (Megatron-LM reduces
+    the (sum, count) pairs), i.e. CP 1's with both micro-batches on one rank, not rank 0's own."""
+    got = _pretrain(tmp_path, 2)
+    assert got["loss"] == pytest.approx(pretrain_cp1["loss"], rel=1e-5, abs=0.0)
+    assert got["grad_norm"] == pytest.approx(pretrain_cp1["grad_norm"], abs=2e-3)
+
+
+def test_megatron_lm_defaults_are_resolved(capsys):
+    """Megatron-LM's own defaults work: no HSAP mode/kernel given -> hsap/auto; its --attention-dropout 0.1 -> 0
+    and its default --transformer-impl transformer_engine -> local where TE cannot run, each with a note naming
+    the flag."""
+    from megatron_hsap.megatron_lm import _resolve_hsap_defaults
+
+    args = argparse.Namespace(context_parallel_mode=None, attention_kernel=None, attention_dropout=0.1,
+                              transformer_impl="transformer_engine")
+    _resolve_hsap_defaults(args)
+    assert (args.context_parallel_mode, args.attention_kernel, args.attention_dropout) == ("hsap", "auto", 0.0)
+    notes = capsys.readouterr().out
+    assert "--attention-dropout 0.1 set to 0" in notes
+    if not torch.cuda.is_available():
+        assert args.transformer_impl == "local" and "--transformer-impl transformer_engine" in notes
+    assert args.apply_rope_fusion is False  # Megatron-LM's default needs TE; HSAP never uses it
+    chosen = argparse.Namespace(context_parallel_mode="ring", attention_kernel="torch", attention_dropout=0.0,
+                                transformer_impl="local", apply_rope_fusion=False)
+    _resolve_hsap_defaults(chosen)
+    assert vars(chosen) == dict(context_parallel_mode="ring", attention_kernel="torch", attention_dropout=0.0,
+                                transformer_impl="local", apply_rope_fusion=False)
+    assert capsys.readouterr().out == ""

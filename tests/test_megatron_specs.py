@@ -86,14 +86,79 @@ def test_transformer_impl_choice():
             use_transformer_engine("transformer_engine")
 
 
+def _dense_mlp(spec: Any) -> tuple:
+    """(MLP class, MLPSubmodules) of a layer spec's dense MLP in the installed release's form: 0.18+ builds it as
+    ``functools.partial(MLP.as_mlp_submodule, submodules=...)``, earlier ones as ``ModuleSpec(module=MLP)``."""
+    import functools
+
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
+    from megatron_hsap.megatron import versions
+
+    mlp = spec.submodules.mlp
+    if versions.MLP_SPEC_IS_BUILDER:
+        assert isinstance(mlp, functools.partial) and mlp.func.__name__ == "as_mlp_submodule", mlp
+        return mlp.func.__self__, mlp.keywords["submodules"]
+    assert isinstance(mlp, ModuleSpec), mlp
+    return mlp.module, mlp.submodules
+
+
+@pytest.mark.parametrize("use_te", [False, True])
+def test_spec_rewrites_fail_loudly_when_nothing_matches(use_te):
+    """Every rewrite of Megatron's layer spec raises when the spec does not have the shape it rewrites (another
+    release's MLP form, an MoE layer, a non-SelfAttention, missing norms): never a silently unchanged spec."""
+    import functools
+
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.identity_op import IdentityOp
+    from megatron.core.transformer.mlp import MLP
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
+    from megatron_hsap.config import ContextParallelConfig
+    from megatron_hsap.megatron import spec as hsap_spec
+    from megatron_hsap.megatron.cpu_shim import transformer_engine_spec_without_te
+
+    cp_config = ContextParallelConfig(mode="hsap")
+    if use_te:
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
+
+        with transformer_engine_spec_without_te():
+            layer = get_gpt_layer_with_transformer_engine_spec()
+    else:
+        layer = get_gpt_layer_local_spec()
+    builder, submodules = _dense_mlp(layer)
+    other_form = (ModuleSpec(module=MLP, submodules=submodules) if isinstance(layer.submodules.mlp, functools.partial)
+                  else functools.partial(getattr(MLP, "as_mlp_submodule", MLP), submodules=submodules))
+    for mlp in (other_form, IdentityOp):
+        edited = hsap_spec._copy_spec(layer)
+        edited.submodules.mlp = mlp
+        with pytest.raises(ValueError, match="the layer spec's mlp is .*mlp_sequence_chunks=3 tiles only"):
+            hsap_spec._use_tiled_mlp(edited, 3)
+    edited = hsap_spec._copy_spec(layer)
+    edited.submodules.self_attention = IdentityOp
+    with pytest.raises(ValueError, match="the layer spec's self_attention is .*not ModuleSpec\\(module=SelfAttention"):
+        hsap_spec._use_hsap_attention(edited, cp_config)
+    if use_te:  # the TE spec fuses its norms into the linears: nothing of them is rewritten
+        return
+    with pytest.raises(ValueError, match="mlp_sequence_chunks=2 tiles only a dense MLP"):
+        hsap_spec.get_gpt_layer_hsap_spec(cp_config, num_experts=4, use_transformer_engine=False,
+                                          mlp_sequence_chunks=2)
+    edited = hsap_spec._copy_spec(layer)
+    edited.submodules.pre_mlp_layernorm = IdentityOp
+    with pytest.raises(ValueError, match="the layer spec's pre_mlp_layernorm is .*not a norm"):
+        hsap_spec._use_sequence_parallel_norms(edited)
+
+
 def test_transformer_engine_spec_structure():
     """The TE spec is Megatron's TE layer spec with HSAPSelfAttention; the input norm lives in linear_qkv."""
     from megatron.core.extensions import transformer_engine as te
     from megatron.core.transformer.enums import AttnMaskType
     from megatron.core.transformer.identity_op import IdentityOp
+    from megatron.core.transformer.mlp import MLP
 
     from megatron_hsap.config import ContextParallelConfig
     from megatron_hsap.megatron.attention import HSAPSelfAttention
+    from megatron_hsap.megatron.sequence_chunks import TiledMLP
     from megatron_hsap.megatron.spec import get_gpt_layer_hsap_spec
 
     cp_config = ContextParallelConfig(mode="hsap")
@@ -107,7 +172,13 @@ def test_transformer_engine_spec_structure():
     assert sub.linear_proj is te.TERowParallelLinear
     assert sub.q_layernorm is IdentityOp and sub.k_layernorm is IdentityOp
     assert spec.submodules.input_layernorm is IdentityOp  # fused into linear_qkv
-    assert spec.submodules.mlp.submodules.linear_fc1 is te.TELayerNormColumnParallelLinear
+    builder, mlp_submodules = _dense_mlp(spec)
+    assert builder is MLP
+    assert mlp_submodules.linear_fc1 is te.TELayerNormColumnParallelLinear
+    assert mlp_submodules.linear_fc2 is te.TERowParallelLinear
+    tiled_builder, tiled_submodules = _dense_mlp(get_gpt_layer_hsap_spec(cp_config, use_transformer_engine=True,
+                                                                         mlp_sequence_chunks=3))
+    assert tiled_builder is TiledMLP and tiled_submodules == mlp_submodules
     qk_norm = get_gpt_layer_hsap_spec(cp_config, use_transformer_engine=True, qk_layernorm=True)
     assert qk_norm.submodules.self_attention.submodules.q_layernorm is te.TENorm
     if not te.HAVE_TE:  # Megatron's TE names are placeholders here: building must fail clearly, not "succeed"

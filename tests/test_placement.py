@@ -258,14 +258,16 @@ from megatron_hsap.sequence import placement as placement_module  # noqa: E402
 from megatron_hsap.sequence import cost_model as cost_model_module  # noqa: E402
 from megatron_hsap.sequence.cost_model import inter_node_rows_lower_bound  # noqa: E402
 from megatron_hsap.sequence.doc_lengths import (  # noqa: E402
-    cu_seqlens_from_lengths, lognormal_doc_lengths, pack_lengths, stdlib_doc_lengths)
+    cu_seqlens_from_lengths, lognormal_doc_lengths, pack_lengths)
 from megatron_hsap.sequence.plan import needed_rows, plan_batch  # noqa: E402
 from megatron_hsap.sequence.schedule import member_pieces  # noqa: E402
+from tests.stdlib_corpus import stdlib_3_11_doc_lengths  # noqa: E402
 
 
 def _heavy_tailed(seed: int) -> List[int]:
-    """1M tokens of Python standard library files (bytes as tokens): a few documents of several 100K tokens."""
-    corpus = stdlib_doc_lengths()
+    """1M tokens of Python 3.11's standard library files (bytes as tokens): a few documents of several 100K
+    tokens (frozen sizes, so every Python draws the same batches: tests/stdlib_corpus.py)."""
+    corpus = stdlib_3_11_doc_lengths()
     return pack_lengths(corpus, 1 << 20, offset=(seed * 7919) % len(corpus))
 
 

@@ -1,4 +1,4 @@
-"""Run Megatron-Core 0.16.1 on CPU ranks (gloo): every CUDA-only spot, patched in one place.
+"""Run Megatron-Core (0.16.1 to 0.19.2) on CPU ranks (gloo): every CUDA-only spot, patched in one place.
 
 Megatron-Core assumes a GPU in a handful of places that have nothing to do with
 the model maths. ``apply_cpu_shim()`` patches exactly those, and only when this
@@ -17,7 +17,9 @@ Patches (each the smallest change that made a CPU run work):
    mappings and layers, p2p communication, grad buffers, checkpoint saver) is
    used as a ``device=`` argument: it returns ``"cpu"``.
 3. ``torch.cuda.synchronize()`` (p2p communication, async checkpoint writer):
-   a no-op, CPU ops are synchronous.
+   a no-op, CPU ops are synchronous. From 0.19 (``versions.GRAD_SYNC_USES_CUDA_STREAMS``) every
+   gradient sync also calls ``torch.cuda.current_stream()`` (``param_and_grad_buffer``): it returns
+   a stream that orders nothing (``_CpuStream``).
 4. Hard-coded ``device="cuda"`` / ``.cuda()`` (pipeline schedules, clip_grads,
    optimizer, grad scaler, distributed optimizer) and ``pin_memory=True`` (rotary
    CP slicing): a ``TorchFunctionMode`` maps such device arguments to CPU, drops
@@ -46,7 +48,9 @@ Patches (each the smallest change that made a CPU run work):
    structure can be inspected and tested on CPU.
 
 Megatron-Bridge's ``pretrain()`` needs a few more spots (B1-B5), applied by
-``apply_bridge_cpu_shim()``; they are listed in that section at the end of this module.
+``apply_bridge_cpu_shim()``, and Megatron-LM's own training loop (``megatron.training``) others
+(L1-L6), applied by ``apply_megatron_lm_cpu_shim()``; both are listed in their sections at the
+end of this module. What differs between megatron-core releases is keyed in ``versions.py``.
 """
 
 from __future__ import annotations
@@ -62,7 +66,9 @@ from typing import Any, Dict, Iterator, Optional
 import torch
 from torch.overrides import TorchFunctionMode
 
-__all__ = ["apply_cpu_shim", "apply_bridge_cpu_shim", "cpu_config_overrides", "SequenceParallelTorchNorm",
+from megatron_hsap.megatron import versions
+
+__all__ = ["apply_cpu_shim", "apply_bridge_cpu_shim", "apply_megatron_lm_cpu_shim", "cpu_config_overrides", "SequenceParallelTorchNorm",
            "transformer_engine_spec_without_te"]
 
 _ACTIVE = False
@@ -97,6 +103,22 @@ class _CudaToCpuMode(TorchFunctionMode):
         if func is torch.Tensor.to and len(args) > 1:
             args = (args[0], _to_cpu_device(args[1])) + tuple(args[2:])
         return func(*args, **kwargs)
+
+
+class _CpuStream:
+    """Patch 3 and B5: a stand-in for a ``torch.cuda.Stream`` on CPU, where work is ordered already."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def wait_stream(self, stream: Any) -> None:
+        pass
+
+    def wait_event(self, event: Any) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
 
 
 class _CpuRNGStatesTrackerMixin:
@@ -146,6 +168,8 @@ def apply_cpu_shim() -> bool:
     mrandom.initialize_rng_tracker(force_reset=True)
     torch.cuda.current_device = lambda: "cpu"
     torch.cuda.synchronize = lambda device=None: None
+    if versions.GRAD_SYNC_USES_CUDA_STREAMS:
+        torch.cuda.current_stream = lambda device=None: _CpuStream()
     _MODE = _CudaToCpuMode()
     _MODE.__enter__()
     _ACTIVE = True
@@ -219,7 +243,9 @@ def transformer_engine_spec_without_te() -> Iterator[None]:
             delattr(te_ext, name)
 
     class SpecProviderWithoutTE(provider.TESpecProvider):
-        def layer_norm(self, rms_norm: bool = False, for_qk: bool = False) -> Any:
+        def layer_norm(self, rms_norm: bool = False, for_qk: bool = False, **kwargs: Any) -> Any:
+            # 0.19 adds has_residual (MoE layers); its residual-norm variant needs TE too, so either answer
+            # serves a spec that is only inspected
             return te_ext.TENorm
 
     gpt_layer_specs.TESpecProvider = SpecProviderWithoutTE
@@ -310,16 +336,6 @@ def _import_only_placeholders():
         builtins.__import__ = real_import
 
 
-class _CpuStream:
-    """B5: a stand-in for ``torch.cuda.Stream`` on CPU, where work is ordered already."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        pass
-
-    def wait_stream(self, stream: Any) -> None:
-        pass
-
-
 class _NamespaceProxy(types.ModuleType):
     """A module that answers from ``overrides`` first, then from the wrapped module (B5)."""
 
@@ -381,14 +397,71 @@ def _compile_helpers_unless_shipped(compile_helpers: Any) -> Any:
 
 
 def _seed_rng_tracker_too(set_random_seed: Any) -> Any:
-    """B4: run Bridge's seeding as if one GPU were counted, so it also seeds the (CPU) RNG tracker."""
+    """B4 (and L3): run the seeding as if one GPU were counted, so it also seeds the (CPU) RNG tracker."""
 
-    def seed(*args: Any, **kwargs: Any) -> None:
+    def seed(*args: Any, **kwargs: Any) -> Any:
         device_count = torch.cuda.device_count
         torch.cuda.device_count = lambda: 1
         try:
-            set_random_seed(*args, **kwargs)
+            return set_random_seed(*args, **kwargs)
         finally:
             torch.cuda.device_count = device_count
 
     return seed
+
+
+# --------------------------------------------------------------------------------------------------
+# Megatron-LM's own training loop (``megatron.training``) on CPU ranks (``apply_megatron_lm_cpu_shim``;
+# docs/training.md, "Megatron-LM entry point"): ``megatron_hsap.megatron_lm.main`` runs its unmodified
+# ``pretrain()`` once these spots are bridged (found by running it on a machine without CUDA/TE/apex):
+#
+# L1. ``pretrain()`` calls ``initialize_megatron`` without ``allow_no_cuda``: passed as True.
+# L2. ``_compile_dependencies`` runs ``compile_helpers()`` (``make`` in megatron/core/datasets), but the
+#     wheel ships the compiled ``helpers_cpp`` and no Makefile: skipped when ``helpers_cpp`` imports (B3).
+# L3. ``_initialize_distributed`` builds the model-parallel groups, and ``_set_random_seed`` seeds the
+#     RNG tracker, only when ``torch.cuda.device_count() > 0``: the process group is created with gloo
+#     (from torchrun's environment) first, then both run as if one GPU were counted.
+# L4. ``torch.cuda.Stream``/``stream``/``current_stream`` around DDP wrapping in ``training.get_model``:
+#     that module sees the CPU stand-ins of B5.
+# L5. ``validate_args`` asks ``get_device_arch_version()`` (a CUDA query) with TP or CP > 1, to require
+#     ``CUDA_DEVICE_MAX_CONNECTIONS=1`` before Blackwell: answered 10, as no CUDA stream exists to limit.
+# L6. Megatron-Core's rerun state machine (which Megatron-LM's ``train_step`` drives) saves and restores
+#     ``torch.cuda.get_rng_state()``: that module sees the CPU stand-ins of B5.
+# --------------------------------------------------------------------------------------------------
+
+_MEGATRON_LM_ACTIVE = False
+
+
+def apply_megatron_lm_cpu_shim() -> bool:
+    """``apply_cpu_shim()`` plus Megatron-LM's training-module spots L1-L6 above; imports ``megatron.training``.
+
+    Returns True when active, False on a CUDA machine (nothing patched). Idempotent.
+    """
+    global _MEGATRON_LM_ACTIVE
+    if _MEGATRON_LM_ACTIVE:
+        return True
+    if not apply_cpu_shim():
+        return False
+    from megatron.core import rerun_state_machine
+    from megatron.core.datasets import utils as dataset_utils
+    from megatron.training import arguments, initialize, training
+
+    training.initialize_megatron = functools.partial(initialize.initialize_megatron, allow_no_cuda=True)
+    dataset_utils.compile_helpers = _compile_helpers_unless_shipped(dataset_utils.compile_helpers)
+    initialize._initialize_distributed = _seed_rng_tracker_too(_gloo_first(initialize._initialize_distributed))
+    initialize._set_random_seed = _seed_rng_tracker_too(initialize._set_random_seed)
+    training.torch = rerun_state_machine.torch = _cpu_torch()
+    arguments.get_device_arch_version = lambda: 10
+    _MEGATRON_LM_ACTIVE = True
+    return True
+
+
+def _gloo_first(initialize_distributed: Any) -> Any:
+    """L3: the default process group is gloo's (torchrun's env://) before Megatron-LM's initialisation runs."""
+
+    def initialize(*args: Any, **kwargs: Any) -> Any:
+        if not torch.distributed.is_initialized():
+            torch.distributed.init_process_group("gloo")
+        return initialize_distributed(*args, **kwargs)
+
+    return initialize

@@ -81,6 +81,15 @@ class TiledMLP(MLP):
         sequence_chunk_bounds(1, sequence_chunks)  # validates
         self.sequence_chunks = sequence_chunks
 
+    @classmethod
+    def as_mlp_submodule(cls, *args: Any, sequence_chunks: int = 1, **kwargs: Any) -> "TiledMLP":
+        """The layer-spec builder of megatron-core 0.18+ (``functools.partial(TiledMLP.as_mlp_submodule,
+        submodules=..., sequence_chunks=N)``): Megatron's ``MLP.as_mlp_submodule``, then tiled."""
+        sequence_chunk_bounds(1, sequence_chunks)  # validates before building
+        mlp = super().as_mlp_submodule(*args, **kwargs)
+        mlp.sequence_chunks = sequence_chunks
+        return mlp
+
     def forward(self, hidden_states: torch.Tensor, per_token_scale: Optional[torch.Tensor] = None, **kwargs: Any):
         """hidden_states ``[s, b, h]`` -> (output ``[s, b, h]``, output bias or None), as Megatron's MLP."""
         if self.sequence_chunks == 1 or not torch.is_grad_enabled() or per_token_scale is not None:

@@ -13,6 +13,7 @@ without apex/TE; without TE the TE spec can still be built, for inspection only.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib.util
 from typing import Any, Optional
 
@@ -25,6 +26,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 
 from megatron_hsap.config import ContextParallelConfig
+from megatron_hsap.megatron import versions
 from megatron_hsap.megatron.attention import HSAPSelfAttention
 from megatron_hsap.megatron.cpu_shim import SequenceParallelTorchNorm, transformer_engine_spec_without_te
 from megatron_hsap.megatron.sequence_chunks import TiledMLP, sequence_chunk_bounds
@@ -74,10 +76,7 @@ def get_gpt_layer_hsap_spec(cp_config: ContextParallelConfig, num_experts: Optio
         spec = get_gpt_layer_local_spec(num_experts=num_experts, qk_layernorm=qk_layernorm,
                                         normalization=normalization)
     spec = _copy_spec(spec)
-    attention = spec.submodules.self_attention
-    spec.submodules.self_attention = ModuleSpec(module=HSAPSelfAttention,
-                                                params={**attention.params, "cp_config": cp_config},
-                                                submodules=attention.submodules)
+    _use_hsap_attention(spec, cp_config)
     if not use_te:
         _use_sequence_parallel_norms(spec)
     if mlp_sequence_chunks != 1:
@@ -96,19 +95,56 @@ def _copy_spec(node: Any) -> Any:
     return node
 
 
+def _use_hsap_attention(spec: ModuleSpec, cp_config: ContextParallelConfig) -> None:
+    """Swap Megatron's ``SelfAttention`` for ``HSAPSelfAttention`` (same submodules and params)."""
+    from megatron.core.transformer.attention import SelfAttention
+
+    attention = spec.submodules.self_attention
+    if not (isinstance(attention, ModuleSpec) and attention.module is SelfAttention):
+        raise _nothing_to_rewrite("self_attention", "ModuleSpec(module=SelfAttention, ...)", attention)
+    spec.submodules.self_attention = ModuleSpec(module=HSAPSelfAttention,
+                                                params={**attention.params, "cp_config": cp_config},
+                                                submodules=attention.submodules)
+
+
 def _use_tiled_mlp(spec: ModuleSpec, chunks: int) -> None:
-    """Swap a dense ``MLP`` for ``TiledMLP`` (same submodules and parameters); MoE layers are left alone."""
+    """Swap Megatron's dense ``MLP`` for ``TiledMLP`` (same submodules and parameters), in the spec form of the
+    installed release (``versions.MLP_SPEC_IS_BUILDER``); a spec without a dense MLP (MoE) raises."""
     from megatron.core.transformer.mlp import MLP
 
     sequence_chunk_bounds(1, chunks)  # validates
     mlp = spec.submodules.mlp
-    if isinstance(mlp, ModuleSpec) and mlp.module is MLP:
-        spec.submodules.mlp = ModuleSpec(module=TiledMLP, params={**mlp.params, "sequence_chunks": chunks},
-                                         submodules=mlp.submodules)
+    if versions.MLP_SPEC_IS_BUILDER:
+        if (isinstance(mlp, functools.partial) and getattr(mlp.func, "__self__", None) is MLP
+                and getattr(mlp.func, "__name__", None) == "as_mlp_submodule"):
+            spec.submodules.mlp = functools.partial(TiledMLP.as_mlp_submodule, *mlp.args,
+                                                    **{**mlp.keywords, "sequence_chunks": chunks})
+            return
+        expected = "functools.partial(MLP.as_mlp_submodule, ...)"
+    else:
+        if isinstance(mlp, ModuleSpec) and mlp.module is MLP:
+            spec.submodules.mlp = ModuleSpec(module=TiledMLP, params={**mlp.params, "sequence_chunks": chunks},
+                                             submodules=mlp.submodules)
+            return
+        expected = "ModuleSpec(module=MLP, ...)"
+    raise _nothing_to_rewrite("mlp", expected, mlp, f"mlp_sequence_chunks={chunks} tiles only a dense MLP "
+                                                    "(not MoE layers)")
+
+
+def _nothing_to_rewrite(field: str, expected: str, found: Any, why: str = "") -> ValueError:
+    """The error of a spec rewrite that found nothing to rewrite (never a silently unchanged spec)."""
+    return ValueError(f"the layer spec's {field} is {found!r}, not {expected} as megatron-core "
+                      f"{versions.MEGATRON_CORE_VERSION} builds it; {why + '; ' if why else ''}"
+                      "the HSAP spec cannot be applied to it")
 
 
 def _use_sequence_parallel_norms(spec: ModuleSpec) -> None:
-    """Swap the local spec's torch norms for ones that accept ``sequence_parallel`` (same parameters)."""
+    """Swap the local spec's torch norms for ones that accept ``sequence_parallel`` (same parameters); the two
+    layer norms must be there (q/k norms only with ``qk_layernorm``)."""
+    for name in ("input_layernorm", "pre_mlp_layernorm"):
+        norm = getattr(spec.submodules, name, None)
+        if norm is None or _is_identity(norm):
+            raise _nothing_to_rewrite(name, "a norm", norm)
     for owner, names in ((spec.submodules, ("input_layernorm", "pre_mlp_layernorm")),
                          (spec.submodules.self_attention.submodules, ("q_layernorm", "k_layernorm"))):
         for name in names:

@@ -22,6 +22,11 @@ KNOWN_MEGATRON_DEPRECATIONS = (r"`torch\.distributed\.reduce_scatter_tensor` is 
                                r"`torch\.distributed\.all_gather_into_tensor` is deprecated",
                                r"`load_state_dict` is deprecated",
                                r"Please use DTensor instead and we are deprecating ShardedTensor")
+#: Import-time notices of the current stack (megatron-core 0.19 with the registry's CUDA build of torch on a
+#: machine without CUDA) that say nothing about the run: absl is optional, MiMo is never used, and torch's
+#: C++-extension module finds no CUDA runtime (the run is on CPU by design).
+_IMPORT_NOTICES = ("absl.logging is not installed", "MimoModelConfig is experimental")
+_TORCH_EXTENSION_LOG = ("torch.utils.cpp_extension", "No CUDA runtime is found")
 #: TransformerLayer logs this for every layer whose MLP is not a type it knows; the sequence-tiled MLP
 #: (megatron/sequence_chunks.py) is an MLP subclass and takes the default TP group, which is the right one.
 _EXPECTED_LAYER_LOG = "Unknown MLP type"
@@ -38,11 +43,13 @@ def quiet_rank(rank: int) -> None:
     """
     if rank != 0:
         warnings.filterwarnings("ignore")
-    for message in KNOWN_FALLBACK_WARNINGS:
+    for message in KNOWN_FALLBACK_WARNINGS + _IMPORT_NOTICES:
         warnings.filterwarnings("ignore", message=message)
     for message in KNOWN_MEGATRON_DEPRECATIONS:
         warnings.filterwarnings("ignore", message=message, category=FutureWarning)
     logging.getLogger("megatron.core.transformer.transformer_layer").addFilter(_not_expected)
+    logger, message = _TORCH_EXTENSION_LOG
+    logging.getLogger(logger).addFilter(lambda record: not record.getMessage().startswith(message))
 
 
 def fallback_summary() -> str:

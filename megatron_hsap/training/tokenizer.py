@@ -13,12 +13,14 @@ import os
 import tempfile
 from typing import Any, Dict, Optional, Tuple
 
+from megatron_hsap.megatron import versions
+
 __all__ = ["TOKENIZER_TYPES", "build_tokenizer", "check_tokenizer_args", "resolve_tokenizer_type"]
 
 #: tokenizer type -> (Megatron-Core library, Python package it needs, flags it needs)
 _TYPES: Dict[str, Tuple[str, Optional[str], Tuple[str, ...]]] = {
     "ByteLevelTokenizer": ("byte-level", None, ()),
-    "NullTokenizer": ("null", None, ("--vocab-size",)),
+    "NullTokenizer": (versions.NULL_TOKENIZER_LIBRARY, None, ("--vocab-size",)),
     "GPT2BPETokenizer": ("huggingface", "transformers", ("--vocab-file", "--merge-file")),
     "HuggingFaceTokenizer": ("huggingface", "transformers", ("--tokenizer-model",)),
     "SentencePieceTokenizer": ("sentencepiece", "sentencepiece", ("--tokenizer-model",)),
@@ -79,8 +81,9 @@ def build_tokenizer(tokenizer_type: str, tokenizer_model: Optional[str] = None, 
     metadata = {"library": library}
     if tokenizer_type == "ByteLevelTokenizer":
         return MegatronTokenizer.from_pretrained(metadata_path=metadata)
-    if tokenizer_type == "NullTokenizer":
-        return MegatronTokenizer.from_pretrained(metadata_path=metadata, vocab_size=vocab_size)
+    if tokenizer_type == "NullTokenizer":  # ids 0..vocab_size-1 plus EOD = vocab_size, on every release
+        ids = vocab_size + 1 if versions.NULL_TOKENIZER_VOCAB_INCLUDES_EOD else vocab_size
+        return MegatronTokenizer.from_pretrained(metadata_path=metadata, vocab_size=ids)
     if tokenizer_type == "GPT2BPETokenizer":
         return _gpt2_bpe(vocab_file, merge_file)
     if tokenizer_type == "HuggingFaceTokenizer":
