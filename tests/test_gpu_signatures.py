@@ -282,7 +282,8 @@ def check_against_dense(kernel, blocks: AttentionBlocks = BLOCKS) -> None:
     grads = kernel.backward(dout, q, k, v, out, lse, blocks, SCALE)
     for got, ref in zip(grads, dense_grads(q64, k64, v64, mask, SCALE, dout64)):
         assert got.dtype == torch.float32
-        torch.testing.assert_close(got.double(), ref, atol=2e-2, rtol=0)  # fp16 grads per pass, |grad| ~ 1
+        # fp16 grads per pass, |grad| ~ 1: measured max |error| 1.6e-3 over the releases and block sets
+        torch.testing.assert_close(got.double(), ref, atol=5e-3, rtol=0)
 
 
 @pytest.fixture(autouse=True)
@@ -421,7 +422,7 @@ def test_te_delegates_unsupported_shapes_to_the_fallback(monkeypatch, caplog, cp
     ref_out, ref_lse = TORCH.forward(q, k, v, blocks, SCALE)
     torch.testing.assert_close(out.float(), ref_out.float(), atol=2e-3, rtol=0)
     for got, ref in zip(grads, TORCH.backward(dout, q, k, v, ref_out, ref_lse, blocks, SCALE)):
-        torch.testing.assert_close(got, ref, atol=2e-2, rtol=0)
+        torch.testing.assert_close(got, ref, atol=4e-3, rtol=0)  # fp16 fused vs per-pass: measured 9.7e-4
     # another batch of the same kind with other lengths: the same decision, no second message
     other = AttentionBlocks.from_list([(0, 20, 0, 20, True), (20, 40, 20, 40, True)] if t_case == "square"
                                       else [(0, 10, 0, 10, True), (25, 40, 5, 40, True)])

@@ -6,7 +6,8 @@ above the block says what to do with it:
 
 - ``<!-- check-docs -->``: run the command (from the repository root, ``python`` / ``.venv/bin/python`` at
   the start of the command replaced by ``--python``) and require every quoted output line, whitespace
-  normalised, to appear in its output in the same order. Options, space separated:
+  normalised, to appear in its output (within a printed line: pytest's progress dots may precede it) in
+  the same order. Options, space separated:
   ``exempt=REGEX`` -- quoted lines matching REGEX hold time-like figures and are not compared (the doc
   says so next to the block); ``timeout=SECONDS`` (default 300).
 - ``<!-- check-docs: skip REASON -->``: not run; REASON (required) says why, e.g. every figure is a
@@ -100,9 +101,10 @@ def check(block: Block, python: str) -> Optional[str]:
         if exempt is not None and exempt.search(quoted):
             continue
         want = _normalise(quoted)
-        try:
-            position = printed.index(want, position) + 1
-        except ValueError:
+        found = next((i for i in range(position, len(printed)) if want in printed[i]), None)
+        if found is not None:
+            position = found + 1
+        else:
             close = [ln for ln in printed if ln.split()[:1] == want.split()[:1]]
             return f"quoted line not printed (in order):\n  doc:     {want}\n  printed: " + \
                 ("\n           ".join(close[:3]) or "(no line starting alike)")
