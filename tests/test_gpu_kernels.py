@@ -281,7 +281,8 @@ def test_pass_kernel_matches_dense_reference(seed, h_q, h_kv, d):
     ref_dq, ref_dk, ref_dv = dense_grads(q, k, v, mask, scale, dout)
     for got, ref in ((dq, ref_dq), (dk, ref_dk), (dv, ref_dv)):
         assert got.dtype == torch.float32
-        torch.testing.assert_close(got.double(), ref, atol=1e-4, rtol=1e-4)  # float32 outputs by contract
+        # float32 outputs by contract: measured max |error| 4.4e-7 (gradients of O(1))
+        torch.testing.assert_close(got.double(), ref, atol=2e-6, rtol=0)
 
 
 def test_no_blocks_means_zero_output_and_no_library_call():
@@ -317,7 +318,7 @@ def test_pass_kernel_in_a_ring_merges_exactly():
     grads_a = kernel.backward(dout, q, k, v, out, lse, step_a, scale)
     grads_b = kernel.backward(dout, q, k, v, out, lse, step_b, scale)
     for ga, gb, ref in zip(grads_a, grads_b, dense_grads(q, k, v, mask, scale, dout)):
-        torch.testing.assert_close((ga + gb).double(), ref, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close((ga + gb).double(), ref, atol=2e-6, rtol=0)  # float32: measured 3.5e-7
 
 
 # ---------------------------------------------------------------- availability and bad input

@@ -102,6 +102,16 @@ def te_backend_supported(capability: Tuple[int, int], cudnn: Tuple[int, int, int
     return mask in ("padding", "padding_causal")
 
 
+def _thd_written_as_sbhd(out: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int) -> torch.Tensor:
+    """``out`` ([t, h, d], sequences back to back) stored as TE stores an sbhd output ([max_seqlen, sequences, h,
+    d], sequence-major) in a buffer read back as [t, h, d]: what a thd caller gets from TE >= 2.15 without
+    o_format='thd'."""
+    sbhd = out.new_zeros(max_seqlen, len(cu_seqlens) - 1, *out.shape[1:])
+    for i, (start, end) in enumerate(zip(cu_seqlens[:-1].tolist(), cu_seqlens[1:].tolist())):
+        sbhd[:end - start, i] = out[start:end]
+    return sbhd.reshape(-1, *out.shape[1:])[:out.shape[0]].contiguous()
+
+
 class FakeTE:
     """The fake TE of one release on one (capability, cuDNN); counts its fused calls."""
 
@@ -146,8 +156,6 @@ class FakeTE:
         assert a["fake_dtype"] == q.dtype and a["dropout"] == 0.0 and a["attn_bias_type"] == "no_bias"
         assert torch.equal(a["cu_seqlens_q"], a["cu_seqlens_q_padded"])
         assert torch.equal(a["cu_seqlens_kv"], a["cu_seqlens_kv_padded"])
-        # from 2.15 the output format is its own argument, defaulting to sbhd: anything else scrambles O
-        assert a.get("o_format", "thd") == "thd", f"TE {self.release}: o_format={a.get('o_format')!r}"
         lengths_q = (a["cu_seqlens_q"][1:] - a["cu_seqlens_q"][:-1]).tolist()
         lengths_k = (a["cu_seqlens_kv"][1:] - a["cu_seqlens_kv"][:-1]).tolist()
         mask = a["attn_mask_type"]
@@ -164,6 +172,9 @@ class FakeTE:
         blocks = self._blocks(a)
         q = a["q"]
         out, lse = TORCH.forward(q, a["k"], a["v"], blocks, a["attn_scale"])
+        # From 2.15 O is written in its own format, o_format (default 'sbhd'); before, in qkv_layout's.
+        if a.get("o_format", "sbhd" if "o_format=" in self.spec["fused_attn_fwd"] else "thd") == "sbhd":
+            out = _thd_written_as_sbhd(out, a["cu_seqlens_q"], a["max_seqlen_q"])
         if self.ragged:
             stats = lse.t().unsqueeze(-1).contiguous()
         else:
@@ -178,6 +189,7 @@ class FakeTE:
         if "dqkv_dtype" in a:  # up to 2.14
             assert a["dqkv_dtype"] == f"te:{q.dtype}"
         if "dqkv_layout" in a:  # from 2.15
+            assert a["o_format"] == "thd", f"TE {self.release}: o_format={a['o_format']!r}"
             assert (a["do_format"], a["dqkv_layout"]) == ("thd", "thd_thd_thd"), (a["do_format"], a["dqkv_layout"])
         blocks = self._blocks(a)
         stats, rng_state = a["aux_ctx_tensors"]
@@ -293,7 +305,8 @@ def check_against_dense(kernel, blocks: AttentionBlocks = BLOCKS) -> None:
     grads = kernel.backward(dout, q, k, v, out, lse, blocks, SCALE)
     for got, ref in zip(grads, dense_grads(q64, k64, v64, mask, SCALE, dout64)):
         assert got.dtype == torch.float32
-        torch.testing.assert_close(got.double(), ref, atol=2e-2, rtol=0)  # fp16 grads per pass, |grad| ~ 1
+        # fp16 grads per pass, |grad| ~ 1: measured max |error| 1.6e-3 over the releases and block sets
+        torch.testing.assert_close(got.double(), ref, atol=5e-3, rtol=0)
 
 
 @pytest.fixture(autouse=True)
@@ -362,13 +375,17 @@ def test_a_release_with_an_unreviewed_parameter_is_refused(monkeypatch, library)
 
 
 def test_te_2_15_needs_the_thd_output_format(monkeypatch, cpu_as_cuda):
-    """The drift the old kernel missed: from 2.15 a call without o_format='thd' is wrong (the fake refuses)."""
+    """From 2.15 TE writes O in ``o_format`` (default 'sbhd', the fake writes it as TE does): the kernel's output
+    equals the dense reference because it asks for 'thd'; without it the same call returns scrambled rows."""
     FakeTE("2.15", (9, 0), (9, 8, 0)).install(monkeypatch)
     kernel = TEAttentionKernel()
-    monkeypatch.setattr(kernel, "_fwd_keywords", kernel._fwd_keywords - {"o_format"})
     q, k, v, _ = _inputs()
-    with pytest.raises(AssertionError, match="o_format='sbhd'"):
-        kernel.forward(q, k, v, BLOCKS, SCALE)
+    ref, _ = dense_attention(q.double(), k.double(), v.double(), dense_mask(BLOCKS, T, T), SCALE)
+    out, _ = kernel.forward(q, k, v, BLOCKS, SCALE)
+    torch.testing.assert_close(out.double(), ref, atol=3e-3, rtol=0)
+    monkeypatch.setattr(kernel, "_fwd_keywords", kernel._fwd_keywords - {"o_format"})
+    scrambled, _ = kernel.forward(q, k, v, BLOCKS, SCALE)
+    assert (scrambled.double() - ref).abs().max() > 0.1
 
 
 def test_the_newest_verified_releases_are_the_newest_transcribed():
@@ -428,7 +445,7 @@ def test_te_delegates_unsupported_shapes_to_the_fallback(monkeypatch, caplog, cp
     ref_out, ref_lse = TORCH.forward(q, k, v, blocks, SCALE)
     torch.testing.assert_close(out.float(), ref_out.float(), atol=2e-3, rtol=0)
     for got, ref in zip(grads, TORCH.backward(dout, q, k, v, ref_out, ref_lse, blocks, SCALE)):
-        torch.testing.assert_close(got, ref, atol=2e-2, rtol=0)
+        torch.testing.assert_close(got, ref, atol=4e-3, rtol=0)  # fp16 fused vs per-pass: measured 9.7e-4
     # another batch of the same kind with other lengths: the same decision, no second message
     other = AttentionBlocks.from_list([(0, 20, 0, 20, True), (20, 40, 20, 40, True)] if t_case == "square"
                                       else [(0, 10, 0, 10, True), (25, 40, 5, 40, True)])

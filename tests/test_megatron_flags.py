@@ -45,8 +45,6 @@ def test_megatron_lm_example_scripts_parse(tmp_path):
     tool = _tool()
     paths = tool._placeholders(str(tmp_path))
     unsupported = {"--fp8-format", "--apply-layernorm-1p", "--fp16", "--rampup-batch-size"}
-    if importlib.util.find_spec("tensorboard") is None:
-        unsupported.add("--tensorboard-dir")
     if importlib.util.find_spec("transformers") is None:
         unsupported.add("--vocab-file")  # GPT-2 BPE, implied by --vocab-file/--merge-file
     results = {}

@@ -25,9 +25,12 @@ def test_prefetched_plans_equal_direct_plans_in_order(layout: str) -> None:
     assert len(got) == len(stream)
     for cu, (seen, plan) in zip(stream, got):
         assert seen is cu
-        # Another "rank" planning the same lengths from scratch (fresh tensor) gets the same placement.
-        again = plan_batch(cu.clone().to(torch.int64), topo, layout)
-        assert plan.rank_segments == again.rank_segments and plan.layout == layout
+        # The same lengths planned from scratch, bypassing the cache the prefetcher just filled (plan_batch
+        # would return that very entry): the same placement.
+        lengths = tuple(int(n) for n in (cu[1:] - cu[:-1]).tolist())
+        fresh = build_plan_data(lengths, topo.signature(), layout, None)
+        assert fresh is not plan._data
+        assert plan.rank_segments == fresh.rank_segments and plan.layout == layout
 
 
 def test_errors_surface_at_the_batch_that_caused_them() -> None:

@@ -141,12 +141,36 @@ def test_tensorboard_event_file(tmp_path):
     assert events.Scalars("lm loss")[0].value == 2.5
 
 
-def test_flops_formula_matches_megatron_lm():
-    # Megatron-LM's num_floating_point_operations for GPT-3 175B-like sizes, written out by hand
-    args = dataclasses.make_dataclass("A", ["hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size",
-                                            "swiglu", "seq_length", "num_layers"])(12288, 96, 96, None, False, 2048, 96)
-    expected = 12 * 1 * 2048 * 96 * 12288 ** 2 * ((1 + 1 + 2048 / 12288) + 4 + 51200 / (2 * 96 * 12288))
-    assert num_floating_point_operations(args, 1, 51200) == pytest.approx(expected)
+_FlopsArgs = dataclasses.make_dataclass("_FlopsArgs", ["hidden_size", "num_attention_heads", "num_query_groups",
+                                                       "kv_channels", "ffn_hidden_size", "swiglu", "seq_length",
+                                                       "num_layers"])
+# Worked out by hand, per token: 6 x (qkv + out projection + core attention + MLP) x layers + 6 x logits.
+# (a) h=8, 2 heads of 4 channels, 1 KV group, SwiGLU ffn 16, s=32, 2 layers, vocab 64, 3 samples (96 tokens):
+#     qkv 6*8*(8+4+4)=768, out 6*8*8=384, MLP 6*8*16*3=2304, core 6*8*32*2=3072 (full) or 1536 (half),
+#     logits 6*8*64=3072 -> per token 2*(3456+3072)+3072=16128 (full), 2*(3456+1536)+3072=13056 (half).
+# (b) h=16, 4 heads of 4 channels, MHA, GELU ffn 64, s=8, 3 layers, vocab 32, 1 sample (8 tokens):
+#     qkv 6*16*48=4608, out 6*16*16=1536, MLP 6*16*64*2=12288, core 6*16*8*2=1536 (full) or 768 (half),
+#     logits 6*16*32=3072 -> per token 3*19968+3072=62976 (full), 3*19200+3072=60672 (half).
+_FLOPS_SHAPES = {"a": (_FlopsArgs(8, 2, 1, 4, 16, True, 32, 2), 3, 64, 96 * 16128, 96 * 13056),
+                 "b": (_FlopsArgs(16, 4, 4, None, None, False, 8, 3), 1, 32, 8 * 62976, 8 * 60672)}
+
+
+@pytest.mark.parametrize("shape", sorted(_FLOPS_SHAPES))
+@pytest.mark.parametrize("release", ["0.11.0", "0.12.0", "0.16.1", "0.19.0"])
+def test_flops_formula_matches_megatron_lm(shape, release):
+    """Megatron-LM's num_floating_point_operations counts the full causal score matrix up to core_v0.11 and
+    half of it from core_v0.12.0 on (megatron/training/training.py at those tags)."""
+    args, batch, vocab, full, half = _FLOPS_SHAPES[shape]
+    expected = full if release == "0.11.0" else half
+    assert num_floating_point_operations(args, batch, vocab, megatron_core_version=release) == expected
+
+
+def test_flops_formula_follows_the_installed_megatron_core():
+    from importlib.metadata import version
+
+    args, batch, vocab, full, half = _FLOPS_SHAPES["a"]
+    installed = tuple(int(p) for p in version("megatron-core").split(".")[:2])
+    assert num_floating_point_operations(args, batch, vocab) == (half if installed >= (0, 12) else full)
 
 
 def test_packed_micro_batch_moves_to_the_model_device():

@@ -22,6 +22,7 @@ from types import SimpleNamespace
 from typing import Dict, List, Optional, Tuple
 
 import pytest
+import torch
 
 from tests.cli_runs import run_fresh, run_warm
 
@@ -152,6 +153,7 @@ def test_interleaved_pipeline_matches_pp1(tmp_path, cache_dir):
     ref = _train(tmp_path, cache_dir, 1, *four_layers, name="ref4")
     records = _train(tmp_path, cache_dir, 2, *four_layers, "--pipeline-model-parallel-size", "2",
                      "--num-layers-per-virtual-pipeline-stage", "1", name="vpp")
+    assert [r["iteration"] for r in records] == [r["iteration"] for r in ref] == list(range(1, ITERS + 1))
     _assert_matches(records, ref)
 
 
@@ -279,11 +281,29 @@ def test_unreadable_checkpoint_fails_on_every_rank(tmp_path, cache_dir):
     assert errors[0].startswith(f"--load {str(ckpt)!r}: cannot read "), errors[0]
 
 
+def _checkpoint_weights(checkpoint: "os.PathLike", scratch: "os.PathLike") -> Dict[str, "torch.Tensor"]:
+    """The model weights of a torch_dist checkpoint directory (converted to one torch.save file at ``scratch``)."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    dcp_to_torch_save(str(checkpoint), str(scratch))
+    state = torch.load(scratch, weights_only=False)
+    return {k: v for k, v in state.items() if isinstance(v, torch.Tensor) and k.endswith(".weight")
+            and not k.startswith("optimizer")}
+
+
 def test_decoupled_lr_updates_only_embedding_and_output_at_their_own_rate(tmp_path, cache_dir, reference):
     """Megatron-LM's --decoupled-lr/--decoupled-min-lr (Megatron-Core's param groups): freezing the embedding and
     output layers changes the run while the other layers keep --lr's schedule. (With the same values as
     --lr/--min-lr the run reproduced the reference exactly, checked once by hand.)"""
-    frozen = _train(tmp_path, cache_dir, 1, "--decoupled-lr", "0", "--decoupled-min-lr", "0", name="frozen")
+    ckpt = tmp_path / "ckpt"
+    frozen = _train(tmp_path, cache_dir, 1, "--decoupled-lr", "0", "--decoupled-min-lr", "0", "--save", str(ckpt),
+                    "--save-interval", "2", name="frozen")
+    after_two, after_four = (_checkpoint_weights(ckpt / f"iter_000000{i}", tmp_path / f"{i}.pt") for i in (2, 4))
+    # the output layer shares the embedding's weight here (no --untie-embeddings-and-output-weights)
+    frozen_names = {"embedding.word_embeddings.weight", "output_layer.weight"} & set(after_two)
+    assert "embedding.word_embeddings.weight" in frozen_names and len(after_two) > 1, sorted(after_two)
+    for name, weight in after_two.items():  # iterations 3 and 4 update every weight but the decoupled ones
+        assert torch.equal(weight, after_four[name]) == (name in frozen_names), name
     # the first update is at warmup step 0 (learning rate 0), so the runs part from iteration 3 on
     assert [f["loss"] for f in frozen[:2]] == [r["loss"] for r in reference[:2]]
     assert all(f["loss"] != r["loss"] for f, r in zip(frozen[2:], reference[2:]))

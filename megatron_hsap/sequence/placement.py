@@ -70,11 +70,11 @@ _EXCHANGE = 48
 # A side may miss its attention target by this fraction (the rest of the hierarchy adds its own error).
 _SLACK = 0.001
 # Scans of the piece size when cutting (coarse, then refined twice around the best): between nodes every
-# row saved is inter-node traffic; inside a node one coarse scan costs ~4 % more intra-node rows at half the
-# planning time of a pure ring.
+# row saved is inter-node traffic; inside a node one coarse scan costs a few more intra-node rows at a fraction of the
+# planning time (docs/sequence_aware.md quotes tools/plan_report.py).
 _ROUNDS_BETWEEN_NODES, _ROUNDS_INSIDE_NODE = 3, 1
-# Between nodes, bisections of at most this many items try every subset (``_exhaustive_bisection``, ~1 ms
-# at 12; 10 gave back nearly all of the rows saved on stdlib and lognormal at 8 x 8 over 100 batches).
+# Between nodes, bisections of at most this many items try every subset (``_exhaustive_bisection``; fewer gave back
+# most of the rows it saves, see docs/sequence_aware.md and tools/plan_report.py).
 _EXHAUSTIVE = 12
 # ... and compute the exact rows of at most this many cuts, those of least lower bound (exact for whole documents).
 _VISITS = 32
@@ -648,8 +648,8 @@ def _reopened(items: List[_Item], sides: List[List[_Item]], rooms: Tuple[int, in
 
     A greedy cut leaves its holder at the edge of feasibility, so the items placed after it are cut too (three
     cuts in one bisection of two nodes, where one would do); the short items give the search the token counts
-    and areas to fill the rooms exactly around a single cut. After a single greedy cut the search saved ~1 % of
-    the rows it saves after several (10 batches of each mix at 4 x 8 and 8 x 8), at most of its time."""
+    and areas to fill the rooms exactly around a single cut. After a single greedy cut the search saved little of
+    the rows it saves after several, at most of its time (tools/plan_report.py measures both)."""
     cut = {it.doc for it in sides[0]} & {it.doc for it in sides[1]}
     if len(cut) < 2 or len(cut) > _REOPENED - 2:  # a single cut: a few rows to save (~100 on the buckets)
         return sides
@@ -670,8 +670,8 @@ def _split(items: List[_Item], groups: list, caps: Sequence[int], targets: Seque
     """Recursive bisection over a tree of bins: ``groups`` is a bin index or a list of subtrees.
 
     Each side's bin targets are rescaled to the area the side actually received, so a bisection's error
-    is shared by all the bins below it instead of landing on the last bin split (a node 0.3 % over its
-    target made one of its 8 members 2.2 % over)."""
+    is shared by all the bins below it instead of landing on the last bin split (a node slightly over its
+    target made one of its members several times as far over)."""
     if isinstance(groups, int):
         return [items]
     if len(groups) == 1:

@@ -145,7 +145,7 @@ class _PlanData:
 @contextmanager
 def _gc_paused() -> Iterator[None]:
     """Planning and schedule compiling allocate many small acyclic objects; a full cyclic-GC pass over the
-    process heap triggered by them would cost ~100 ms at random batches. Refcounting frees them; the
+    process heap triggered by them would stall random batches (tools/bench_plan_ahead.py measures planning time). Refcounting frees them; the
     collector resumes after."""
     was_enabled = gc.isenabled()
     gc.disable()

@@ -43,21 +43,42 @@ def peak_memory_bytes() -> int:
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
 
 
-def num_floating_point_operations(args: Any, batch_size: int, padded_vocab_size: int) -> float:
-    """Model FLOPs of one iteration (forward + backward), Megatron-LM's formula for a dense GPT.
+#: The first megatron-core release whose Megatron-LM FLOPs formula counts causal attention at half
+#: (``megatron/training/training.py``, ``num_floating_point_operations``: "only half of the attention
+#: matrix is non-zero"); earlier releases count the full ``seq_length x seq_length`` score matrix.
+CAUSAL_HALF_FROM = (0, 12)
 
-    Attention is counted over the full ``--seq-length`` per sample, as Megatron-LM does; with packed
-    documents the attention actually computed is smaller, so this is the figure Megatron-LM would report.
+
+def _installed_megatron_core_version() -> str:
+    from importlib.metadata import version
+
+    return version("megatron-core")
+
+
+def num_floating_point_operations(args: Any, batch_size: int, padded_vocab_size: int,
+                                  megatron_core_version: Optional[str] = None) -> float:
+    """Model FLOPs of one iteration (forward + backward), Megatron-LM's formula for a dense GPT as the
+    given megatron-core release (default: the installed one) writes it, so the logged TFLOP/s/GPU equals
+    what that Megatron-LM would print.
+
+    Attention is counted over the full ``--seq-length`` per sample, as Megatron-LM does (causal: half of
+    the score matrix from ``CAUSAL_HALF_FROM`` on); with packed documents the attention actually computed
+    is smaller, so this is the figure Megatron-LM would report.
     """
-    kv_channels = args.hidden_size // args.num_attention_heads
-    query_projection_ratio = kv_channels * args.num_attention_heads / args.hidden_size
+    release = megatron_core_version or _installed_megatron_core_version()
+    major_minor = tuple(int(part) for part in release.split(".")[:2])
+    causal_fraction = 1 / 2 if major_minor >= CAUSAL_HALF_FROM else 1
+    kv_channels = getattr(args, "kv_channels", None) or args.hidden_size // args.num_attention_heads
+    query_size = kv_channels * args.num_attention_heads
+    key_value_size = 2 * kv_channels * args.num_query_groups
     ffn = args.ffn_hidden_size or 4 * args.hidden_size
-    gated = 3 / 2 if args.swiglu else 1
-    return (12 * batch_size * args.seq_length * args.num_layers * args.hidden_size ** 2 * (
-        (1 + args.num_query_groups / args.num_attention_heads + args.seq_length / args.hidden_size)
-        * query_projection_ratio
-        + ffn / args.hidden_size * gated
-        + padded_vocab_size / (2 * args.num_layers * args.hidden_size)))
+    ffn_matrices = 3 if args.swiglu else 2  # SwiGLU stacks the gate and up projections
+    # Per token and layer, multiply-adds (x 2 FLOPs) of the forward and both backward GEMMs (x 3).
+    attention = (args.hidden_size * (query_size + key_value_size) + query_size * args.hidden_size
+                 + 2 * query_size * args.seq_length * causal_fraction)  # QK^T and (QK^T)V
+    mlp = args.hidden_size * ffn * ffn_matrices
+    logits = args.hidden_size * padded_vocab_size
+    return 6 * batch_size * args.seq_length * (args.num_layers * (attention + mlp) + logits)
 
 
 class ScalarWriter(Protocol):

@@ -1,7 +1,7 @@
 """Start the CPU ranks ourselves when the script was not launched by torchrun (``--nproc N``).
 
 The parent imports the training loop, Megatron-Core and its tokenizer libraries
-once (~7 s and ~360 MB per process otherwise) and forks the ranks, each with
+once (seconds and hundreds of MB per process otherwise; docs/training.md) and forks the ranks, each with
 torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE,
 MASTER_ADDR/PORT) and one compute thread.
 
@@ -41,7 +41,7 @@ __all__ = ["die_with_parent", "freeze_imported_objects", "launched_by_torchrun",
 
 #: Imported by the launcher before it forks, once instead of once per rank: the training loop (Megatron-Core's
 #: models and optimizer with it) and Megatron-Core's text tokenizer classes, whose libraries (transformers among
-#: them) take ~1.4 s.
+#: them) take seconds.
 RANK_IMPORTS = ("megatron.core.tokenizers.text.models", "megatron_hsap.training.loop")
 #: Signals the launcher passes on to every rank.
 FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2, signal.SIGINT, signal.SIGHUP)
@@ -111,7 +111,7 @@ def _say(message: str) -> None:
 def freeze_imported_objects() -> None:
     """Move everything allocated so far (torch's and Megatron-Core's import graph, about a million objects)
     to the garbage collector's permanent generation: neither the collections during training nor the
-    interpreter's shutdown walk it again (shutdown alone took 1.5-2 s per process), and forked ranks
+    interpreter's shutdown walk it again (shutdown alone took seconds per process), and forked ranks
     share those pages instead of copying them when the collector touches them."""
     gc.freeze()
 

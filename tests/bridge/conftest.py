@@ -8,8 +8,24 @@ instead of once per rank.
 
 import importlib.util
 
+import pytest
+
 if importlib.util.find_spec("megatron.bridge") is None:
     collect_ignore_glob = ["*"]
+
+    class _BridgeNotInstalled(pytest.Item):
+        """One skipped line in the summary for the directory, so its tests are not left out silently."""
+
+        def runtest(self) -> None:
+            pytest.skip("tests/bridge not collected: megatron-bridge is not installed here (`make test-bridge` "
+                        "runs them in .venv-bridge)")
+
+        def reportinfo(self):
+            return self.path, None, self.name
+
+    def pytest_collection_modifyitems(session, config, items) -> None:
+        if not config.getoption("keyword") and not config.getoption("markexpr"):
+            items.append(_BridgeNotInstalled.from_parent(session, name="tests/bridge"))
 else:
     from tests import cli_runs
 
