@@ -202,6 +202,16 @@ class IterationLogger:
             self._json.write(json.dumps(asdict(rec)) + "\n")
             self._json.flush()
 
+    def plan_summary(self, totals: Any) -> None:
+        """The run's plan summary (``plan_summary.PlanTotals``): its line, and a ``{"plan_summary": ...}`` JSON
+        record."""
+        if not self.enabled:
+            return
+        print(totals.line(), flush=True)
+        if self._json is not None:
+            self._json.write(json.dumps({"plan_summary": totals.as_dict()}) + "\n")
+            self._json.flush()
+
     def evaluation(self, split: str, prefix: str, loss: float, iteration: int, consumed_samples: int) -> None:
         """Megatron-LM's evaluation block ``validation loss at <prefix> | lm loss value | lm loss PPL`` (the
         same words for the test split, as Megatron-LM: the prefix says "on test set"), scalars
