@@ -260,9 +260,13 @@ def _train(args: argparse.Namespace, signals: Any, started: float) -> List[Itera
     topology, mpu = _setup(args)
     writers = make_writers(args.tensorboard_dir, args.wandb_project, args.wandb_exp_name, args.wandb_save_dir,
                            vars(args)) if dist.get_rank() == 0 else []
-    log = IterationLogger(args.train_iters, dist.get_rank(), args.log_json, writers,
-                          progress_bar=not args.no_progress_bar, log_interval=args.log_interval)
     cp_config = cp_config_from_args(args)
+    layout = cp_config.resolved_layout
+    # Rank 0 sums what its training micro-batches' plans did (and zigzag's on the same samples).
+    plan_summary = _plan_summary(args, layout) if dist.get_rank() == 0 else None
+    log = IterationLogger(args.train_iters, dist.get_rank(), args.log_json, writers,
+                          progress_bar=not args.no_progress_bar, log_interval=args.log_interval,
+                          plan_summary=plan_summary)
     tokenizer = build_tokenizer(args.tokenizer_type, args.tokenizer_model, args.vocab_size, args.vocab_file,
                                 args.merge_file, args.tiktoken_pattern)
     dataset, valid_dataset, test_dataset = build_datasets(args, tokenizer)
@@ -289,7 +293,6 @@ def _train(args: argparse.Namespace, signals: Any, started: float) -> List[Itera
     config.finalize_model_grads_func = (finalize_model_grads if nan_check is None else
                                         partial(_check_then_finalize, nan_check, finalize_model_grads))
     config.no_sync_func = [m.no_sync for m in model] if len(model) > 1 else model[0].no_sync
-    layout = cp_config.resolved_layout
     log.info(f"megatron-hsap: world {args.world_size} = TP {args.tensor_model_parallel_size} x PP "
              f"{args.pipeline_model_parallel_size} x CP {args.context_parallel_size} x DP {args.data_parallel_size}; "
              f"mode {cp_config.mode}, ulysses {topology.ulysses_size} x ring {topology.ring_size}, layout {layout}, "
@@ -308,8 +311,6 @@ def _train(args: argparse.Namespace, signals: Any, started: float) -> List[Itera
                                          topology, layout)
         return _packed_iterator(batches, eod, split_at_eod, topology, layout, device, plan_summary)
 
-    # Rank 0 sums what its training micro-batches' plans did (and zigzag's on the same samples).
-    plan_summary = _plan_summary(args, layout) if dist.get_rank() == 0 else None
     # One iterator per model chunk: the interleaved schedule reads each micro-batch once per chunk.
     iterators = [packed(dataset, start, None, plan_summary=plan_summary if i == 0 else None)
                  for i in range(len(model))]
@@ -389,7 +390,7 @@ def _train(args: argparse.Namespace, signals: Any, started: float) -> List[Itera
         log.info(f"done: lm loss {records[0].loss:.4f} (iteration {records[0].iteration}) -> "
                  f"{records[-1].loss:.4f} (iteration {records[-1].iteration})")
     if plan_summary is not None and plan_summary.run.planned.micro_batches:
-        log.plan_summary(plan_summary.run)
+        log.info(plan_summary.run.line())
     log.close()
     return records
 

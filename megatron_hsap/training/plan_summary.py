@@ -99,7 +99,7 @@ class PlanTotals:
         p, z = self.planned, self.zigzag
 
         def ratio(a: int, b: int) -> str:
-            return f"{a / b:.2f} x zigzag" if b else "- x zigzag (zigzag moves none)"
+            return f"{a / b:.2f} x zigzag" if b else "- x zigzag"
 
         return (f"plan over {p.micro_batches} micro-batches, {self.layout} vs zigzag on the same samples (one layer's "
                 f"attention forward, all CP ranks): attention imbalance {p.attention_imbalance:.3f} vs "
