@@ -93,7 +93,8 @@ def run_config(shape: Shape, flags: Sequence[str], iters: int, model: Sequence[s
             "--ranks-per-node", str(max(1, cp // shape.nodes)), "--seq-length", str(shape.seq_length),
             "--micro-batch-size", str(shape.micro_batch), "--global-batch-size", str(shape.micro_batch),
             "--train-iters", str(iters), "--lr-warmup-iters", "1", "--eval-iters", "0", "--log-interval", "1",
-            "--layout-independent-init", "--no-progress-bar", "--data-cache-path", cache, "--log-json", log,
+            "--layout-independent-init", "--no-progress-bar", "--num-workers", "0", "--data-cache-path", cache,
+            "--log-json", log,
             *model, *flags]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     env.pop("RANK", None)
