@@ -40,13 +40,14 @@ SCRIPT = os.path.join(ROOT, "pretrain_gpt_hsap.py")
 LOSS_RTOL = 1e-5
 MARK_BEGIN, MARK_END = "<!-- bench_training:begin -->", "<!-- bench_training:end -->"
 
-#: name -> CP flags (the CP size and node shape come from the shape).
+#: name -> CP flags (the CP size and node shape come from the shape; ``{heads}``: --num-attention-heads).
 CONFIGS: Dict[str, List[str]] = {
     "ring (zigzag)": ["--context-parallel-mode", "ring"],
     "ulysses": ["--context-parallel-mode", "ulysses"],
     "hybrid (zigzag)": ["--context-parallel-mode", "hybrid", "--cp-layout", "zigzag"],
-    "hsap (sequence-aware)": ["--context-parallel-mode", "hsap"],
-    "hsap, head chunks of 1": ["--context-parallel-mode", "hsap", "--head-chunk-size", "1"],
+    # hsap's default head chunk is the Ulysses size; one chunk of all heads is plain Ulysses inside the node.
+    "hsap (sequence-aware)": ["--context-parallel-mode", "hsap", "--head-chunk-size", "{heads}"],
+    "hsap, head chunks of 4": ["--context-parallel-mode", "hsap", "--head-chunk-size", "4"],
     "hsap, ulysses 2": ["--context-parallel-mode", "hsap", "--ulysses-size", "2"],
     "hsap, ulysses 2, K/V forwarding": ["--context-parallel-mode", "hsap", "--ulysses-size", "2",
                                         "--cp-kv-forwarding"],
@@ -228,7 +229,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             reference = [r["loss"] for r in reference_records]
             results.append(summarise(shape, "CP 1", reference_records, reference))
             for name in configs:
-                records = run_config(shape, CONFIGS[name], args.iters, model, cache, workdir, f"{shape.label} {name}")
+                flags = [flag.format(heads=args.num_attention_heads) for flag in CONFIGS[name]]
+                records = run_config(shape, flags, args.iters, model, cache, workdir, f"{shape.label} {name}")
                 results.append(summarise(shape, name, records, reference))
                 print(f"  {shape.label} | {name}: {results[-1].step_ms:.0f} ms/iteration", file=sys.stderr,
                       flush=True)
