@@ -168,13 +168,16 @@ def write_markdown(path: str, text: str) -> None:
 
 def plot(results: Sequence[Result], path: str, caption: str) -> None:
     """Per shape: bytes per iteration (inter- and intra-node, bars) and step time (bars, second panel)."""
+    import textwrap
+
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     shapes = list(dict.fromkeys(r.shape for r in results))
-    fig, axes = plt.subplots(2, len(shapes), figsize=(5.2 * len(shapes), 8.4), squeeze=False)
+    width = max(7.0, 5.2 * len(shapes))
+    fig, axes = plt.subplots(2, len(shapes), figsize=(width, 9.0), squeeze=False)
     for col, shape in enumerate(shapes):
         rows = [r for r in results if r.shape == shape and r.config != "CP 1"]
         names = [r.config for r in rows]
@@ -190,7 +193,7 @@ def plot(results: Sequence[Result], path: str, caption: str) -> None:
         ax.bar(x, [r.step_ms for r in rows], 0.6, color="#7f8c8d")
         ax.set_ylabel("step time (ms, median; timing)")
         ax.set_xticks(x, names, rotation=40, ha="right", fontsize=8)
-    fig.suptitle(caption, fontsize=10)
+    fig.suptitle("\n".join(textwrap.wrap(caption, int(width * 13))), fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
