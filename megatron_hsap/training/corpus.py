@@ -61,7 +61,8 @@ def _first_line(node: ast.stmt) -> int:
 def source_documents(source: bytes) -> List[bytes]:
     """One Python file's documents, in source order: each top-level function; each method, then the rest of
     its class (header, docstring, attributes); each run of the other top-level statements (with the
-    comments and blank lines around them). Together they hold every line of the file exactly once.
+    comments and blank lines around them). Concatenated, they are the file without the blank-only runs
+    between definitions (which are no documents).
     A file that does not parse is one document."""
     try:
         tree = ast.parse(source)
