@@ -5,8 +5,9 @@ Runs ``pretrain_gpt_hsap.py`` (forked CPU ranks, gloo, emulated nodes) once per 
 and shape on the embedded stdlib corpus (many documents per micro-batch, see docs/training.md)
 with ``--layout-independent-init``, so every run starts from the same weights and reads the
 same samples (``--num-workers 0``: each rank reads and plans in a thread, no worker processes).
-Per configuration it prints tokens/s, step time (median over the iterations after the first), CP bytes sent per rank and iteration inter-/intra-node (the busiest
-rank, measured by the collectives), peak memory (rank 0's peak RSS on CPU), the plan's
+Per configuration it prints tokens/s, step time (median over the iterations after the first),
+CP bytes sent per rank and iteration inter-/intra-node (the busiest rank, measured by the
+collectives), peak memory (rank 0's peak RSS on CPU), the plan's
 predicted inter-node bytes as a fraction of zigzag's on the same micro-batches (the run's
 plan summary), and the largest relative loss difference from the CP 1 run, which must be
 within fp32 round-off (``LOSS_RTOL``; the tool fails otherwise).
