@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The embedded default on CPU (= `python pretrain_gpt_hsap.py` with no flags): a small GPT
-# trained on the Python standard library's sources (packed documents, byte-level tokens)
+# trained on the Python standard library's sources cut into functions, methods, class bodies and
+# statement runs plus every 8th whole file (packed documents, byte-level tokens)
 # with --context-parallel-mode hsap on 8 forked CPU ranks emulating 2 nodes of 4
 # (Ulysses 4 inside a node x ring 2 across nodes), 150 iterations; ~3 minutes on 2 cores.
 # The preset is DEMO_FLAGS in megatron_hsap/training/arguments.py; extra flags override it,

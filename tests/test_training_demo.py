@@ -2,16 +2,18 @@
 
 It is the embedded default: the stdlib corpus, --context-parallel-mode hsap on 8 forked
 CPU ranks emulating 2 nodes (Ulysses inside a node, ring across). The preset's 150 iterations
-take ~2.5 minutes on 2 cores; the test overrides them to ITERS and the evaluation's 10 batches per
+take ~2 minutes on 2 cores; the test overrides them to ITERS and the evaluation's 10 batches per
 split to EVAL_ITERS (the preset's own override path), which keeps every other flag of the README's
 command (model, layout, 10 warm-up iterations, logging every 10) and still shows the loss falling by
-more than 1 nat (5.27 at iteration 10 -> 4.04 at iteration 20).
+more than 1 nat. Its last line is the plan summary: the sequence-aware plans' inter-node bytes as a
+fraction of zigzag's on the same micro-batches, at most 0.5 on the demo's documents.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -45,5 +47,13 @@ def test_cpu_demo_trains_with_hsap_across_two_emulated_nodes(tmp_path):
     assert [r["iteration"] for r in records] == list(range(10, ITERS + 1, 10))
     assert [e["evaluation"] for e in entries if "evaluation" in e] == ["validation", "test"]
     assert all(r["cp_bytes_intra"] > 0 and r["cp_bytes_inter"] > 0 for r in records)
+    last_line = result.stdout.rstrip("\n").splitlines()[-1]
+    ratio = re.search(r"^plan over 20 micro-batches, sequence-aware vs zigzag on the same samples .*"
+                      r"\| inter-node bytes (\d+\.\d+) x zigzag ", last_line)
+    assert ratio and float(ratio.group(1)) <= 0.5, last_line
+    run = records[-1]["plan"]["run"]
+    assert run["planned"]["micro_batches"] == ITERS
+    assert abs(run["bytes_inter_vs_zigzag"] - float(ratio.group(1))) <= 0.005
+    assert records[0]["plan"]["interval"]["planned"]["micro_batches"] == 10
     first, last = records[0]["loss"], records[-1]["loss"]
     assert last < first - 1.0, f"loss {first:.3f} -> {last:.3f}"

@@ -337,11 +337,12 @@ def add_tokenizer_args(group: argparse._ActionsContainer) -> None:
 
 
 #: The embedded default (``python pretrain_gpt_hsap.py`` with no flags, or ``--demo [overrides]``): a small
-#: GPT on the stdlib corpus, hsap over 8 forked CPU ranks emulating 2 nodes of 4; ~3 minutes on 2 cores.
+#: GPT on the stdlib corpus, hsap over 8 forked CPU ranks emulating 2 nodes of 4; ~3 minutes on 2 cores. Micro-batches
+#: of 2 samples pack 2 x 1024 tokens into one plan, so a plan holds many of the corpus's documents.
 DEMO_FLAGS = ["--nproc", "8", "--ranks-per-node", "4", "--context-parallel-size", "8",
               "--context-parallel-mode", "hsap", "--num-layers", "2", "--hidden-size", "64",
-              "--num-attention-heads", "8", "--seq-length", "1024", "--micro-batch-size", "1",
-              "--global-batch-size", "1", "--train-iters", "150", "--lr", "3e-3", "--min-lr", "3e-4",
+              "--num-attention-heads", "8", "--seq-length", "1024", "--micro-batch-size", "2",
+              "--global-batch-size", "2", "--train-iters", "150", "--lr", "3e-3", "--min-lr", "3e-4",
               "--log-interval", "10", "--eval-iters", "10"]
 
 

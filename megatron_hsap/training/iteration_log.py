@@ -7,7 +7,8 @@ Lines, scalar names and meanings follow Megatron-LM's ``training_log`` and
   iteration (ms) | [throughput per GPU (TFLOP/s/GPU)] | learning rate | global batch size | lm loss |
   loss scale | grad norm | number of skipped iterations | number of nan iterations |`` where time,
   throughput and loss are averages over the interval (as Megatron-LM), followed by the HSAP fields
-  (tokens/s, peak memory, CP bytes sent per rank intra-/inter-node) of the logged iteration;
+  (tokens/s, peak memory, CP bytes sent per rank intra-/inter-node) of the logged iteration; its JSON
+  record also holds the plan summary (``plan_summary``: the interval's and the run's plans vs zigzag's);
 - every iteration the scalars ``learning-rate``, ``batch-size``, ``lm loss``, ``loss-scale``,
   ``grad-norm`` (each also ``... vs samples``), ``iteration-time``, ``throughput`` (with
   ``--log-throughput``) and ``hsap/...`` for the HSAP fields;
@@ -146,6 +147,9 @@ class IterationRecord:
     skipped: bool  # the optimizer skipped the update (fp16 loss scaling found inf/NaN gradients)
     tflops_per_gpu: Optional[float]  # None unless --log-throughput
     host_offload_bytes: int = 0  # activations this rank copied to host memory (--offload-checkpointed-activations)
+    #: Set when the line is printed, with a plan summary: ``{"interval": figures of the micro-batches since the
+    #: previous line (or None), "run": figures so far}`` (``plan_summary.PlanTotals.as_dict``).
+    plan: Optional[Dict[str, Any]] = None
 
 
 class IterationLogger:
@@ -153,8 +157,9 @@ class IterationLogger:
 
     def __init__(self, train_iters: int, rank: int, json_path: Optional[str] = None,
                  writers: Optional[List[ScalarWriter]] = None, progress_bar: bool = True,
-                 log_interval: int = 1) -> None:
+                 log_interval: int = 1, plan_summary: Any = None) -> None:
         self.train_iters = train_iters
+        self.plan_summary = plan_summary  # a plan_summary.PlanSummary fed as micro-batches are read, or None
         self.enabled = rank == 0
         self.progress_bar = progress_bar
         self.log_interval = log_interval
@@ -219,6 +224,10 @@ class IterationLogger:
                  f"CP bytes sent/rank intra: {rec.cp_bytes_intra} inter: {rec.cp_bytes_inter} |")
         self._skipped = self._nan = 0
         print(line, flush=True)
+        if self.plan_summary is not None:
+            interval = self.plan_summary.take_interval()
+            rec.plan = {"interval": None if interval is None else interval.as_dict(),
+                        "run": self.plan_summary.run.as_dict()}
         if self._json is not None:
             self._json.write(json.dumps(asdict(rec)) + "\n")
             self._json.flush()

@@ -40,6 +40,7 @@ from megatron_hsap.training.arguments import cp_config_from_args
 from megatron_hsap.training.iteration_log import IterationLogger, IterationRecord, peak_memory_bytes
 from megatron_hsap.sequence.prefetch import plan_ahead
 from megatron_hsap.training.packing import PackedMicroBatch, document_cu_seqlens, pack_micro_batch
+from megatron_hsap.training.plan_summary import PlanSummary
 from megatron_hsap.training.plan_workers import plan_in_workers
 from megatron_hsap.training.startup import configuration_lines
 
@@ -109,11 +110,16 @@ def _planned_micro_batches(args: argparse.Namespace, dataset: Any, dp_rank: int,
 
 
 def _packed_iterator(batches: Iterator[Dict[str, torch.Tensor]], eod: int, split_at_eod: bool, topology: Any,
-                     layout: str, device: torch.device) -> Iterator[PackedMicroBatch]:
+                     layout: str, device: torch.device, plan_summary: Optional[PlanSummary] = None
+                     ) -> Iterator[PackedMicroBatch]:
     """Pack each micro-batch and move it to ``device``; planned ahead (``_planned_micro_batches``), its
-    ``pack_micro_batch``'s own ``plan_batch`` is a cache hit."""
+    ``pack_micro_batch``'s own ``plan_batch`` is a cache hit. ``plan_summary`` counts each plan as it is read."""
     for batch in batches:
-        yield pack_micro_batch(batch, eod, split_at_eod, topology, layout).to(device)
+        mb = pack_micro_batch(batch, eod, split_at_eod, topology, layout)
+        if plan_summary is not None:
+            params = mb.packed_seq_params
+            plan_summary.add(params.plan, params.cu_seqlens_q)
+        yield mb.to(device)
 
 
 def _cu_seqlens_of(eod: int, split_at_eod: bool, batch: Dict[str, torch.Tensor]) -> torch.Tensor:
@@ -277,9 +283,13 @@ def _train(args: argparse.Namespace, signals: Any, started: float) -> List[Itera
     topology, mpu = _setup(args)
     writers = make_writers(args.tensorboard_dir, args.wandb_project, args.wandb_exp_name, args.wandb_save_dir,
                            vars(args)) if dist.get_rank() == 0 else []
-    log = IterationLogger(args.train_iters, dist.get_rank(), args.log_json, writers,
-                          progress_bar=not args.no_progress_bar, log_interval=args.log_interval)
     cp_config = cp_config_from_args(args)
+    layout = cp_config.resolved_layout
+    # Rank 0 sums what its training micro-batches' plans did (and zigzag's on the same samples).
+    plan_summary = _plan_summary(args, layout) if dist.get_rank() == 0 else None
+    log = IterationLogger(args.train_iters, dist.get_rank(), args.log_json, writers,
+                          progress_bar=not args.no_progress_bar, log_interval=args.log_interval,
+                          plan_summary=plan_summary)
     tokenizer = build_tokenizer(args.tokenizer_type, args.tokenizer_model, args.vocab_size, args.vocab_file,
                                 args.merge_file, args.tiktoken_pattern)
     dataset, valid_dataset, test_dataset = build_datasets(args, tokenizer)
@@ -307,7 +317,6 @@ def _train(args: argparse.Namespace, signals: Any, started: float) -> List[Itera
     config.finalize_model_grads_func = (finalize_model_grads if nan_check is None else
                                         partial(_check_then_finalize, nan_check, finalize_model_grads))
     config.no_sync_func = [m.no_sync for m in model] if len(model) > 1 else model[0].no_sync
-    layout = cp_config.resolved_layout
     for line in configuration_lines(args, topology, cp_config, _kernel_description(cp_config.kernel)):
         log.info(line)
     log.info(f"megatron-hsap: model: {sum(p.numel() for m in model for p in m.parameters())} parameters on rank 0")
@@ -318,13 +327,15 @@ def _train(args: argparse.Namespace, signals: Any, started: float) -> List[Itera
     eod, split_at_eod = tokenizer.eod, args.reset_attention_mask
     cu_seqlens_of = partial(_cu_seqlens_of, eod, split_at_eod)
 
-    def packed(data: Any, first: int, stop: Optional[int], label: str = "") -> Iterator[PackedMicroBatch]:
+    def packed(data: Any, first: int, stop: Optional[int], label: str = "", plan_summary: Optional[PlanSummary] = None
+               ) -> Iterator[PackedMicroBatch]:
         batches = _planned_micro_batches(args, data, dp_rank, first, stop, label, tokenizer.vocab_size, cu_seqlens_of,
                                          topology, layout)
-        return _packed_iterator(batches, eod, split_at_eod, topology, layout, device)
+        return _packed_iterator(batches, eod, split_at_eod, topology, layout, device, plan_summary)
 
     # One iterator per model chunk: the interleaved schedule reads each micro-batch once per chunk.
-    iterators = [packed(dataset, start, None) for _ in model]
+    iterators = [packed(dataset, start, None, plan_summary=plan_summary if i == 0 else None)
+                 for i in range(len(model))]
     data_iterator = iterators if len(model) > 1 else iterators[0]
     forward_backward = get_forward_backward_func()
     evaluator = _Evaluator(args, model, forward_backward, mpu.get_context_parallel_group(), packed, device)
@@ -400,8 +411,18 @@ def _train(args: argparse.Namespace, signals: Any, started: float) -> List[Itera
     if records:
         log.info(f"done: lm loss {records[0].loss:.4f} (iteration {records[0].iteration}) -> "
                  f"{records[-1].loss:.4f} (iteration {records[-1].iteration})")
+    if plan_summary is not None and plan_summary.run.planned.micro_batches:
+        log.info(plan_summary.run.line())
     log.close()
     return records
+
+
+def _plan_summary(args: argparse.Namespace, layout: str) -> PlanSummary:
+    """The run's ``PlanSummary``, with one tensor-parallel rank's attention geometry."""
+    tp = args.tensor_model_parallel_size
+    dtype = torch.bfloat16 if args.bf16 else torch.float32
+    return PlanSummary(layout, args.num_attention_heads // tp, args.num_query_groups // tp,
+                       args.hidden_size // args.num_attention_heads, dtype)
 
 
 def _log_evaluation(evaluator: _Evaluator, log: IterationLogger, dataset: Any, split: str, index: int, prefix: str,
