@@ -55,7 +55,9 @@ def main() -> int:
             print(line, flush=True)
     if launched_by_torchrun():
         return run_rank(args)
-    return spawn_local_ranks(args.nproc or 1, run_rank, args, args.rank_failure_grace_seconds)
+    stall = 2 * args.distributed_timeout_minutes if args.stall_timeout_minutes is None else args.stall_timeout_minutes
+    return spawn_local_ranks(args.nproc or 1, run_rank, args, args.rank_failure_grace_seconds,
+                             stall_seconds=60.0 * stall if stall else None)
 
 
 if __name__ == "__main__":

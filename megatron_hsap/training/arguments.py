@@ -167,6 +167,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="when started without torchrun: spawn this many local ranks (CPU/gloo)")
     g.add_argument("--rank-failure-grace-seconds", type=_non_negative_float, default=10.0,
                    help="with --nproc: after one rank fails, the others get this long to exit, then are killed")
+    g.add_argument("--stall-timeout-minutes", type=_non_negative_float, default=None,
+                   help="with --nproc: when no rank advances (changes phase) for this long, print every rank's "
+                        "stack, name the rank that stopped advancing and stop the job (status 124); 0 turns it "
+                        "off (default: twice --distributed-timeout-minutes)")
 
     g = p.add_argument_group("training")
     g.add_argument("--micro-batch-size", type=_positive_int, default=1)

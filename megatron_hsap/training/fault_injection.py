@@ -6,6 +6,7 @@ at iteration ``<iteration>``:
 | kind | where | what |
 |---|---|---|
 | ``kill`` | forward | SIGKILL itself (a crash that leaves no message) |
+| ``stop`` | forward | SIGSTOP itself (a rank that stops advancing without dying) |
 | ``raise`` | forward | raise RuntimeError (an exception in one rank's forward) |
 | ``SIGTERM``, ``SIGUSR1`` | forward | send itself the signal (preemption) |
 | ``nan-attention`` | forward | write NaN into the last local layer's ``linear_qkv`` weight |
@@ -25,7 +26,7 @@ from typing import Any, List, Optional, Tuple
 __all__ = ["ENV", "inject", "planned"]
 
 ENV = "HSAP_TEST_FAULT"
-_WHERE = {"kill": "forward", "raise": "forward", "SIGTERM": "forward", "SIGUSR1": "forward",
+_WHERE = {"kill": "forward", "stop": "forward", "raise": "forward", "SIGTERM": "forward", "SIGUSR1": "forward",
           "nan-attention": "forward", "nan-loss": "forward", "kill-in-save": "save"}
 
 
@@ -57,6 +58,8 @@ def inject(point: str, iteration: int, model: Optional[List[Any]] = None, loss_m
     for kind in planned(point, iteration):
         if kind in ("kill", "kill-in-save"):
             os.kill(os.getpid(), signal.SIGKILL)
+        elif kind == "stop":
+            os.kill(os.getpid(), signal.SIGSTOP)
         elif kind == "raise":
             raise RuntimeError(f"{ENV}: injected exception in the forward step of iteration {iteration}")
         elif kind in ("SIGTERM", "SIGUSR1"):

