@@ -68,3 +68,22 @@ def test_stall_watchdog_names_the_stopped_rank_and_prints_every_stack(cache_dir)
             stack
     assert "fault_injection.py" in stacks["1"], stacks["1"]
     print(f"stopped rank, 12 s stall timeout: run ended after {wall:.1f} s")
+
+
+@pytest.mark.parametrize("fault, saved", [
+    ("parent-SIGTERM@0:2", 2),  # during a forward
+    ("parent-SIGTERM-in-save@0:1,parent-SIGTERM-in-save@1:1", 2),  # two SIGTERMs during the first save
+    ("parent-SIGUSR1-in-save@1:2", 3),  # during a periodic save
+], ids=["SIGTERM", "two-SIGTERMs-in-first-save", "SIGUSR1-in-periodic-save"])
+def test_signal_to_the_launcher_leaves_a_complete_preemption_checkpoint(tmp_path, cache_dir, fault, saved):
+    """The launcher passes the signal to the rank processes only: the helpers of the checkpoint writer they
+    started (megatron-core's Manager) live on, and every rank saves and exits 0."""
+    ckpt = tmp_path / "ckpt"
+    result = _run(TINY + ["--context-parallel-size", "2", "--train-iters", "5", "--data-cache-path", cache_dir,
+                          "--save", str(ckpt), "--save-interval", "1", "--exit-signal-handler"], 2,
+                  timeout=HANG_SECONDS, env={"HSAP_TEST_FAULT": fault})
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert f"exiting after iteration {saved}" in result.stdout + result.stderr, result.stdout[-2000:]
+    assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == str(saved)
+    assert (ckpt / f"iter_{saved:07d}" / "hsap_manifest.json").is_file()
+    assert not [p.name for p in ckpt.iterdir() if p.name.endswith(".partial")]
