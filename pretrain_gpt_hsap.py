@@ -19,6 +19,7 @@ quiet_rank(int(os.environ.get("RANK", "0")))  # before anything imports Megatron
 
 from megatron_hsap.training import progress  # noqa: E402
 from megatron_hsap.training.arguments import parse_args  # noqa: E402
+from megatron_hsap.training.save_lock import lock_save_directory  # noqa: E402
 from megatron_hsap.training.launch import (  # noqa: E402
     freeze_imported_objects,
     launched_by_torchrun,
@@ -53,6 +54,12 @@ def main() -> int:
     if int(os.environ.get("RANK", "0")) == 0:
         for line in filter(None, [fallback_summary()] + [f"megatron-hsap: {note}" for note in args.compat_notes]):
             print(line, flush=True)
+    if args.save is not None and int(os.environ.get("RANK", "0")) == 0:
+        try:
+            save_lock = lock_save_directory(args.save)  # noqa: F841 - held until this process exits
+        except ValueError as err:
+            print(f"pretrain_gpt_hsap.py: error: {err}", file=sys.stderr, flush=True)
+            return 2
     if launched_by_torchrun():
         return run_rank(args)
     stall = 2 * args.distributed_timeout_minutes if args.stall_timeout_minutes is None else args.stall_timeout_minutes

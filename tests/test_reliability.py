@@ -7,11 +7,14 @@ and the test-only ``HSAP_TEST_FAULT`` hook; several checks share one run where t
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import time
 
 import pytest
+
+from megatron_hsap.training.save_lock import lock_save_directory
 
 from tests.test_fault_tolerance import TINY
 from tests.test_training_pretrain import _run
@@ -87,3 +90,30 @@ def test_signal_to_the_launcher_leaves_a_complete_preemption_checkpoint(tmp_path
     assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == str(saved)
     assert (ckpt / f"iter_{saved:07d}" / "hsap_manifest.json").is_file()
     assert not [p.name for p in ckpt.iterdir() if p.name.endswith(".partial")]
+
+
+# ---------------------------------------------------------------- one job per --save directory
+
+def test_second_job_on_a_locked_save_directory_fails_at_start_up_naming_the_holder(tmp_path, cache_dir):
+    save = tmp_path / "ckpt"
+    holder = lock_save_directory(str(save))  # the first job
+    try:
+        result = _run(TINY + ["--train-iters", "2", "--data-cache-path", cache_dir, "--save", str(save)], 1,
+                      timeout=HANG_SECONDS)
+    finally:
+        holder.close()
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert re.search(rf"error: --save '{re.escape(str(save))}' is in use by another job \(pid {os.getpid()} on "
+                     r"\S+ since .*\)", result.stderr), result.stderr[-2000:]
+    assert not any(p.name.startswith("iter_") for p in save.iterdir())
+    again = lock_save_directory(str(save))  # released with its holder
+    again.close()
+
+
+@pytest.mark.parametrize("under_file", [False, True], ids=["a-file", "under-a-file"])
+def test_unwritable_save_path_is_refused_at_start_up(tmp_path, under_file):
+    """A file, or a path below one (a read-only directory cannot be tested here: the tests may run as root)."""
+    (tmp_path / "file").write_text("not a directory")
+    save = tmp_path / "file" / "ckpt" if under_file else tmp_path / "file"
+    with pytest.raises(ValueError, match=rf"--save '{re.escape(str(save))}' is not a writable directory"):
+        lock_save_directory(str(save))
