@@ -16,6 +16,7 @@ import pytest
 
 from megatron_hsap.training.save_lock import lock_save_directory
 
+from tests.distributed import run_distributed
 from tests.test_fault_tolerance import TINY
 from tests.test_training_pretrain import _run
 
@@ -117,3 +118,41 @@ def test_unwritable_save_path_is_refused_at_start_up(tmp_path, under_file):
     save = tmp_path / "file" / "ckpt" if under_file else tmp_path / "file"
     with pytest.raises(ValueError, match=rf"--save '{re.escape(str(save))}' is not a writable directory"):
         lock_save_directory(str(save))
+
+
+# ---------------------------------------------------------------- one-rank-bad attention input
+
+def _head_chunked_mismatch(case: str) -> str:
+    import torch
+    import torch.distributed as dist
+
+    from megatron_hsap.attention.upipe import head_chunked_attention
+    from megatron_hsap.config import ContextParallelConfig
+    from megatron_hsap.parallel_state import initialize_model_parallel
+    from megatron_hsap.sequence.doc_lengths import cu_seqlens_from_lengths
+    from megatron_hsap.sequence.plan import plan_batch
+
+    topo = initialize_model_parallel(context_parallel_size=4, ranks_per_node=2,
+                                     cp_config=ContextParallelConfig(mode="hsap", ulysses_size=2, kernel="cpu_fused"))
+    rank = topo.cp_rank
+    plan = plan_batch(cu_seqlens_from_lengths([40, 24]), topo, "zigzag")
+    dtype = torch.float64 if case == "dtype" and rank == 1 else torch.float32
+    chunk = {("head_chunk_size", 2): 4, ("bad", 3): 3}.get((case, rank), 2)
+    hidden, weight = torch.randn(plan.tokens_per_rank, 1, 16, dtype=dtype), torch.randn(8 * 8, 16, dtype=dtype)
+    with pytest.raises(ValueError) as info:
+        head_chunked_attention(hidden, weight, None, plan, num_heads_q=4, num_heads_kv=2, head_dim=8,
+                               head_chunk_size=chunk)
+    dist.barrier()  # every rank got here: nobody is stuck in an attention collective
+    return str(info.value)
+
+
+@pytest.mark.parametrize("case,expected", [("dtype", "dtype (CP ranks [1] differ from CP rank 0)"),
+                                           ("head_chunk_size", "head_schedule (CP ranks [2] differ from CP rank 0)"),
+                                           ("bad", "CP rank(s) [3] rejected their attention inputs")])
+def test_head_chunked_input_bad_on_one_rank_raises_on_every_rank(case, expected):
+    messages = run_distributed(_head_chunked_mismatch, 4, case, timeout=120)
+    if case == "bad":
+        assert "head_chunk_size" in messages[3] and "[3]" in messages[3], messages[3]
+        messages = messages[:3]
+    assert all(m == messages[0] for m in messages), messages
+    assert expected in messages[0], messages[0]
