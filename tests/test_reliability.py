@@ -156,3 +156,58 @@ def test_head_chunked_input_bad_on_one_rank_raises_on_every_rank(case, expected)
         messages = messages[:3]
     assert all(m == messages[0] for m in messages), messages
     assert expected in messages[0], messages[0]
+
+
+# ---------------------------------------------------------------- NaN / Inf propagate in every mode
+
+#: (tensor, token, head, value): one poisoned element. Token 5 is in document 0 ([0, 40)), token 50 in document 1.
+POISON = [("q", 5, 1, float("nan")), ("k", 50, 0, float("nan")), ("q", 44, 3, float("-inf")),
+          ("k", 20, 1, float("inf"))]
+
+
+def _poisoned_attention(mode: str, ulysses_size, poison) -> list:
+    import torch
+
+    from megatron_hsap.attention import context_parallel_attention
+    from megatron_hsap.config import ContextParallelConfig
+    from megatron_hsap.parallel_state import initialize_model_parallel
+    from megatron_hsap.sequence.doc_lengths import cu_seqlens_from_lengths
+    from megatron_hsap.sequence.plan import plan_batch
+
+    topo = initialize_model_parallel(context_parallel_size=4, ranks_per_node=2,
+                                     cp_config=ContextParallelConfig(mode=mode, ulysses_size=ulysses_size,
+                                                                     kernel="cpu_fused"))
+    plan = plan_batch(cu_seqlens_from_lengths([40, 24]), topo, "zigzag")
+    gen = torch.Generator().manual_seed(3)
+    qkv = {"q": torch.randn(64, 4, 8, generator=gen, dtype=torch.float64),
+           "k": torch.randn(64, 2, 8, generator=gen, dtype=torch.float64),
+           "v": torch.randn(64, 2, 8, generator=gen, dtype=torch.float64)}
+    name, token, head, value = poison
+    qkv[name][token, head] = value
+    out = context_parallel_attention(*(plan.shard(qkv[n]) for n in "qkv"), plan)
+    return plan.unshard(out).tolist()
+
+
+@pytest.mark.parametrize("mode,ulysses_size", [("ring", None), ("ulysses", None), ("hybrid", 2)])
+def test_nan_and_inf_propagate_as_in_the_single_rank_reference(mode, ulysses_size):
+    """Every output element is NaN (or +-Inf) exactly where the fp64 single-process reference's is; the
+    finite ones agree with it."""
+    import torch
+
+    from megatron_hsap.sequence.doc_lengths import cu_seqlens_from_lengths
+    from tests.reference import dense_attention
+
+    for poison in POISON:
+        got = torch.tensor(run_distributed(_poisoned_attention, 4, mode, ulysses_size, poison, timeout=120)[0],
+                           dtype=torch.float64)
+        gen = torch.Generator().manual_seed(3)
+        q, k, v = (torch.randn(64, h, 8, generator=gen, dtype=torch.float64) for h in (4, 2, 2))
+        name, token, head, value = poison
+        {"q": q, "k": k, "v": v}[name][token, head] = value
+        expected = dense_attention(q, k, v, cu_seqlens_from_lengths([40, 24]))
+        assert expected.isnan().any() or expected.isinf().any(), f"{poison}: the poison reaches no output"
+        assert torch.equal(got.isnan(), expected.isnan()), f"{mode} {poison}: NaN at " \
+            f"{got.isnan().nonzero().tolist()[:8]}, reference at {expected.isnan().nonzero().tolist()[:8]}"
+        finite = expected.isfinite()
+        assert torch.equal(got[~finite & ~expected.isnan()], expected[~finite & ~expected.isnan()]), poison
+        assert torch.allclose(got[finite], expected[finite], atol=1e-10, rtol=0), poison
