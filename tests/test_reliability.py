@@ -211,3 +211,24 @@ def test_nan_and_inf_propagate_as_in_the_single_rank_reference(mode, ulysses_siz
         finite = expected.isfinite()
         assert torch.equal(got[~finite & ~expected.isnan()], expected[~finite & ~expected.isnan()]), poison
         assert torch.allclose(got[finite], expected[finite], atol=1e-10, rtol=0), poison
+
+
+# ---------------------------------------------------------------- start-up errors say what is wrong
+
+@pytest.mark.parametrize("flags, message", [
+    (["--lr", "1e-4", "--min-lr", "1e-3"], r"--min-lr \(0.001\) must not exceed --lr \(0.0001\)"),
+    (["--data-path", "0", "{a}", "1", "{b}"], r"--data-path: the weight of '.*/a' is '0'; weights must be finite"),
+    (["--data-path", "1", "{a}", "nan", "{b}"], r"--data-path: the weight of '.*/b' is 'nan'; weights must be"),
+    (["--data-path", "-1", "{a}", "2", "{b}"], r"--data-path: the weight of '.*/a' is '-1'; weights must be"),
+], ids=["min-lr-above-lr", "weight-0", "weight-nan", "weight-negative"])
+def test_start_up_errors_name_the_flag(tmp_path, capsys, flags, message):
+    """Before these checks the run failed later with an empty message (``error: rank 1, start-up: ``)."""
+    from megatron_hsap.training.arguments import parse_args
+
+    for name in "ab":
+        for ext in (".bin", ".idx"):
+            (tmp_path / (name + ext)).write_bytes(b"")
+    argv = ["--nproc", "1"] + [f.format(a=tmp_path / "a", b=tmp_path / "b") for f in flags]
+    with pytest.raises((ValueError, SystemExit)) as err:  # parse_args reports some as argparse errors (exit 2)
+        parse_args(argv)
+    assert re.search(message, str(err.value) + capsys.readouterr().err)
