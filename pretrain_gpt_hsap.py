@@ -19,6 +19,7 @@ quiet_rank(int(os.environ.get("RANK", "0")))  # before anything imports Megatron
 
 from megatron_hsap.training import progress  # noqa: E402
 from megatron_hsap.training.arguments import parse_args  # noqa: E402
+from megatron_hsap.training.save_lock import lock_save_directory  # noqa: E402
 from megatron_hsap.training.launch import (  # noqa: E402
     freeze_imported_objects,
     launched_by_torchrun,
@@ -62,9 +63,17 @@ def main() -> int:
             from megatron_hsap.training.startup import arguments_block
 
             print(arguments_block(args), flush=True)
+    if args.save is not None and int(os.environ.get("RANK", "0")) == 0:
+        try:
+            save_lock = lock_save_directory(args.save)  # noqa: F841 - held until this process exits
+        except ValueError as err:
+            print(f"pretrain_gpt_hsap.py: error: {err}", file=sys.stderr, flush=True)
+            return 2
     if launched_by_torchrun():
         return run_rank(args)
-    return spawn_local_ranks(args.nproc or 1, run_rank, args, args.rank_failure_grace_seconds)
+    stall = 2 * args.distributed_timeout_minutes if args.stall_timeout_minutes is None else args.stall_timeout_minutes
+    return spawn_local_ranks(args.nproc or 1, run_rank, args, args.rank_failure_grace_seconds,
+                             stall_seconds=60.0 * stall if stall else None)
 
 
 if __name__ == "__main__":

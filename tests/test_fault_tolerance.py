@@ -25,6 +25,7 @@ from typing import Dict, List
 
 import pytest
 
+from megatron_hsap.training.save_lock import LOCK_FILE
 from tests.test_training_pretrain import ROOT, SCRIPT, _run
 
 TINY = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "64",
@@ -155,7 +156,7 @@ def preemption_chain(tmp_path_factory, cache_dir) -> SimpleNamespace:
     chain.b = run("b", "--save", ckpt, "--exit-signal-handler", fault="SIGTERM@0:2,SIGUSR1@1:2")
     chain.tracker_after_b = open(os.path.join(ckpt, "latest_checkpointed_iteration.txt")).read()
     chain.c = run("c", "--load", ckpt, "--save", ckpt, "--save-interval", "1", fault="kill-in-save@1:4")
-    chain.entries_after_c = sorted(os.listdir(ckpt))
+    chain.entries_after_c = sorted(e for e in os.listdir(ckpt) if e != LOCK_FILE)
     chain.tracker_after_c = open(os.path.join(ckpt, "latest_checkpointed_iteration.txt")).read()
     shutil.copytree(os.path.join(ckpt, "iter_0000003"), str(tmp / "iter3_copy"))
     chain.iter3_copy = str(tmp / "iter3_copy")
@@ -257,7 +258,7 @@ def test_resume_ignores_the_interrupted_save_with_a_warning(preemption_chain):
     assert "loaded checkpoint from" in d.result.stdout and "at iteration 3" in d.result.stdout
     assert [r["iteration"] for r in d.records] == [4]
     assert "exiting after iteration 4: --exit-duration-in-mins 0 reached" in d.result.stdout
-    assert sorted(os.listdir(preemption_chain.ckpt)) == ["iter_0000002", "iter_0000003", "iter_0000004",
+    assert sorted(e for e in os.listdir(preemption_chain.ckpt) if e != LOCK_FILE) == ["iter_0000002", "iter_0000003", "iter_0000004",
                                                          "latest_checkpointed_iteration.txt"]
 
 

@@ -219,12 +219,12 @@ def test_distributed_optimizer_resumes_under_other_layouts(tmp_path, cache_dir, 
     """Megatron-LM's two distributed-optimizer formats, resharded: 'dp_reshardable' (the default) from
     CP 2 (ring) to CP 2 x DP 2 (hsap, full recompute); that run saves 'fully_reshardable', which resumes
     at TP 2. Every iteration matches the CP=1 reference. The first run's --load directory does not exist
-    yet (Megatron-LM: warn and start from scratch)."""
+    yet: its --save lock creates it empty (warn and start from scratch, as Megatron-LM)."""
     first, second = str(tmp_path / "dp_reshardable"), str(tmp_path / "fully_reshardable")
     dist_opt = ["--use-distributed-optimizer"]
     a = _run_logged(tmp_path, cache_dir, 2, "a", *dist_opt, "--context-parallel-size", "2",
                     "--context-parallel-mode", "ring", "--load", first, "--save", first, "--exit-interval", "2")
-    assert f"WARNING: --load {first!r} does not exist; starting from scratch" in a.stdout
+    assert f"WARNING: --load {first!r} is empty (no checkpoint saved yet); starting from scratch" in a.stdout
     b = _run_logged(tmp_path, cache_dir, 4, "b", *dist_opt, "--context-parallel-size", "2",
                     "--context-parallel-mode", "hsap", "--recompute-granularity", "full", "--load", first,
                     "--save", second, "--dist-ckpt-optim-fully-reshardable", "--exit-interval", "3")

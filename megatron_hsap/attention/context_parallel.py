@@ -33,7 +33,7 @@ from megatron_hsap.parallel_state import CPTopology, cp_topology_is_initialized,
 from megatron_hsap.sequence.plan import BatchPlan
 from megatron_hsap.sequence.schedule import MemberSchedule, normalize_window
 
-__all__ = ["context_parallel_attention", "check_attention_inputs", "check_device_matches_backend"]
+__all__ = ["context_parallel_attention", "check_attention_inputs", "check_device_matches_backend", "fail_with_peers"]
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -207,7 +207,7 @@ def _split_member(member: torch.Tensor, m: int) -> Tuple[torch.Tensor, ...]:
     return member.split((m, n, n), dim=1)
 
 
-def _fail_with_peers(error: ValueError) -> None:
+def fail_with_peers(error: ValueError) -> None:
     """Raise ``error`` on a rank whose plan cannot name its CP group: it first joins the agreement of the
     initialised topology (if any), where its peers are about to compare inputs, so they raise too."""
     if cp_topology_is_initialized():
@@ -231,7 +231,7 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     Bad or mismatched input raises the same ValueError on every CP rank before any collective.
     """
     if not isinstance(plan, BatchPlan):
-        _fail_with_peers(ValueError(f"plan must be a BatchPlan from plan_batch(...), got {type(plan).__name__}"))
+        fail_with_peers(ValueError(f"plan must be a BatchPlan from plan_batch(...), got {type(plan).__name__}"))
     topo = plan.topology
     error, heads, window = None, None, None
     try:
@@ -240,7 +240,7 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     except ValueError as err:
         error = err
     if topo.is_offline:
-        _fail_with_peers(error)
+        fail_with_peers(error)
     fields = {"cu_seqlens": plan.doc_lengths, "layout": plan.layout, "topology": topo.signature(),
               "causal": bool(causal), "softmax_scale": softmax_scale, "kernel": topo.config.kernel,
               "window_size": window, "kv_forwarding": topo.config.kv_forwarding}

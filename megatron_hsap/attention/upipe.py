@@ -32,7 +32,13 @@ from typing import Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from megatron_hsap.attention.context_parallel import attend_runs, attend_runs_backward, check_device_matches_backend
+from megatron_hsap.attention.agreement import agree_across_cp_ranks
+from megatron_hsap.attention.context_parallel import (
+    attend_runs,
+    attend_runs_backward,
+    check_device_matches_backend,
+    fail_with_peers,
+)
 from megatron_hsap.attention.head_schedule import HeadSchedule, Stage, build_head_schedule
 from megatron_hsap.attention.ring import OP_DKV_RELAY, OP_KV_RELAY, OP_KV_RELAY_BWD, SharedRemoteKeyValues
 from megatron_hsap.collectives import all_to_all_member
@@ -589,19 +595,36 @@ def head_chunked_attention(hidden: torch.Tensor, qkv_weight: torch.Tensor, qkv_b
     i.e. plain Ulysses). comm_log: a list that receives
     ``(direction, stage, CommStats)`` per stage. window_size: sliding window as in
     ``context_parallel_attention``. Returns ``[s_local, 1, H * d]`` in the original
-    head order (the input of ``linear_proj``). Everything is validated before any collective.
+    head order (the input of ``linear_proj``). Bad or mismatched input (e.g. one rank's dtype or
+    head_chunk_size) raises the same ValueError on every CP rank before any collective.
     """
     if not isinstance(plan, BatchPlan):
-        raise ValueError(f"plan must be a BatchPlan from plan_batch(...), got {type(plan).__name__}")
-    if not isinstance(head_dim, int) or head_dim < 1:
-        raise ValueError(f"head_dim={head_dim!r} must be a positive int")
-    window = normalize_window(window_size, bool(causal))
-    schedule = resolve_head_schedule(plan, num_heads_q, num_heads_kv, head_chunk_size)
+        fail_with_peers(ValueError(f"plan must be a BatchPlan from plan_batch(...), got {type(plan).__name__}"))
     sp_group = sequence_parallel_group
     if sp_group is not None and dist.get_world_size(sp_group) == 1:
         sp_group = None
-    _check_inputs(hidden, qkv_weight, qkv_bias, plan, schedule, head_dim, rotary_freqs,
-                  1 if sp_group is None else dist.get_world_size(sp_group))
+    error, window, schedule = None, None, None
+    try:  # checked locally without raising, then agreed on across the CP ranks (attention/agreement.py)
+        if not isinstance(head_dim, int) or head_dim < 1:
+            raise ValueError(f"head_dim={head_dim!r} must be a positive int")
+        window = normalize_window(window_size, bool(causal))
+        schedule = resolve_head_schedule(plan, num_heads_q, num_heads_kv, head_chunk_size)
+        _check_inputs(hidden, qkv_weight, qkv_bias, plan, schedule, head_dim, rotary_freqs,
+                      1 if sp_group is None else dist.get_world_size(sp_group))
+    except ValueError as err:
+        error = err
+    topo = plan.topology
+    if topo.is_offline:
+        fail_with_peers(error)
+    fields = {"cu_seqlens": plan.doc_lengths, "layout": plan.layout, "topology": topo.signature(),
+              "causal": bool(causal), "softmax_scale": softmax_scale, "window_size": window,
+              "heads": (num_heads_q, num_heads_kv, head_dim),
+              "rotary": (rotary_freqs is None, rope_base, bool(rotary_interleaved)),
+              "sequence_parallel_size": 1 if sp_group is None else dist.get_world_size(sp_group)}
+    if error is None:
+        fields.update(head_schedule=repr(schedule), hidden_shape=tuple(hidden.shape[1:]), dtype=(str(hidden.dtype), str(qkv_weight.dtype)),
+                      qkv_bias=qkv_bias is not None, tokens_per_rank=hidden.shape[0])
+    agree_across_cp_ranks(topo, fields, error, hidden.device if error is None else None, plan.verified_signatures)
     if rotary_freqs is not None:
         angles = rotary_freqs.reshape(plan.tokens_per_rank, -1)
     elif rope_base is not None:

@@ -246,6 +246,12 @@ class CpuFusedAttentionKernel:
         float64 inputs); rows no block covers give 0 and -inf.
         """
         self._check(q, k, v, blocks)
+        if not all(bool(torch.isfinite(x).all()) for x in (q, k, v)):
+            # torch's fused CPU operator returns out 0, lse 0 for a row whose scores hold a NaN, which the
+            # merge then hides; the unfused kernel propagates NaN/Inf as dense attention does.
+            from megatron_hsap.kernels.torch_kernel import TorchAttentionKernel
+
+            return TorchAttentionKernel().forward(q, k, v, blocks, softmax_scale)
         t_q, h_q, d = q.shape
         out_dtype, dtype = q.dtype, _compute_dtype(q.dtype)
         q, k, v = (x.to(dtype) for x in (q, k, v))

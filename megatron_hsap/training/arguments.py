@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import math
 import os
 import sys
 from typing import List, Optional
@@ -195,6 +196,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="rank 0 prints every argument at start-up in Megatron-LM's layout")
     g.add_argument("--rank-failure-grace-seconds", type=_non_negative_float, default=10.0,
                    help="with --nproc: after one rank fails, the others get this long to exit, then are killed")
+    g.add_argument("--stall-timeout-minutes", type=_non_negative_float, default=None,
+                   help="with --nproc: when no rank advances (changes phase) for this long, print every rank's "
+                        "stack, name the rank that stopped advancing and stop the job (status 124); 0 turns it "
+                        "off (default: twice --distributed-timeout-minutes)")
 
     g = p.add_argument_group("training")
     g.add_argument("--micro-batch-size", type=_positive_int, default=1,
@@ -438,8 +443,11 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
     if args.data_path is not None and args.mock_data:
         raise ValueError("--data-path and --mock-data are mutually exclusive")
     validate_evaluation_logging_args(args)
+    if args.min_lr > args.lr:
+        raise ValueError(f"--min-lr ({args.min_lr:g}) must not exceed --lr ({args.lr:g})")
     for flag, paths in (("--data-path", args.data_path), ("--valid-data-path", args.valid_data_path),
                         ("--test-data-path", args.test_data_path)):
+        _check_weights(flag, paths or [])
         for prefix in data_path_prefixes(paths or []):
             missing = [prefix + ext for ext in (".bin", ".idx") if not os.path.isfile(prefix + ext)]
             if missing:
@@ -615,6 +623,17 @@ def data_path_prefixes(data_path: List[str]) -> List[str]:
     if len(data_path) > 1 and len(data_path) % 2 == 0 and _is_number(data_path[0]):
         return data_path[1::2]
     return list(data_path)
+
+
+def _check_weights(flag: str, data_path: List[str]) -> None:
+    """Every weight of a weighted ``[w1] p1 [w2] p2 ...`` list must be a finite number above 0."""
+    if not (len(data_path) > 1 and len(data_path) % 2 == 0 and _is_number(data_path[0])):
+        return
+    for weight, prefix in zip(data_path[0::2], data_path[1::2]):
+        value = float(weight) if _is_number(weight) else math.nan
+        if not (math.isfinite(value) and value > 0):
+            raise ValueError(f"{flag}: the weight of {prefix!r} is {weight!r}; weights must be finite numbers "
+                             "above 0 (drop a dataset rather than give it weight 0)")
 
 
 def _is_number(text: str) -> bool:

@@ -50,6 +50,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_hsap.training import fault_injection
+from megatron_hsap.training.save_lock import LOCK_FILE
 
 __all__ = ["save_checkpoint", "load_checkpoint", "load_args_from_checkpoint", "latest_iteration", "verify_files",
            "write_tracker", "CHECKPOINT_VERSION"]
@@ -339,7 +340,7 @@ def _choose(root: str) -> Tuple[Optional[int], List[str]]:
     """The iteration to load (None: start from scratch) and warnings for rank 0 to print; ValueError if none can be."""
     if not os.path.isdir(root):
         return None, [f"WARNING: --load {root!r} does not exist; starting from scratch"]
-    entries = sorted(os.listdir(root))
+    entries = sorted(e for e in os.listdir(root) if e != LOCK_FILE)  # the lock of a job saving here
     if not entries:
         return None, [f"WARNING: --load {root!r} is empty (no checkpoint saved yet); starting from scratch"]
     tracked = latest_iteration(root)

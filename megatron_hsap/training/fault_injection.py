@@ -6,8 +6,11 @@ at iteration ``<iteration>``:
 | kind | where | what |
 |---|---|---|
 | ``kill`` | forward | SIGKILL itself (a crash that leaves no message) |
+| ``stop`` | forward | SIGSTOP itself (a rank that stops advancing without dying) |
 | ``raise`` | forward | raise RuntimeError (an exception in one rank's forward) |
 | ``SIGTERM``, ``SIGUSR1`` | forward | send itself the signal (preemption) |
+| ``parent-SIGTERM``, ``parent-SIGUSR1`` | forward | send the signal to its parent, the ``--nproc`` launcher |
+| ``parent-SIGTERM-in-save``, ``parent-SIGUSR1-in-save`` | save | the same after writing its checkpoint shards |
 | ``nan-attention`` | forward | write NaN into the last local layer's ``linear_qkv`` weight |
 | ``nan-loss`` | forward | write NaN into the micro-batch's loss mask |
 | ``kill-in-save`` | save | SIGKILL itself after writing its checkpoint shards, before the save completes |
@@ -25,8 +28,10 @@ from typing import Any, List, Optional, Tuple
 __all__ = ["ENV", "inject", "planned"]
 
 ENV = "HSAP_TEST_FAULT"
-_WHERE = {"kill": "forward", "raise": "forward", "SIGTERM": "forward", "SIGUSR1": "forward",
-          "nan-attention": "forward", "nan-loss": "forward", "kill-in-save": "save"}
+_WHERE = {"kill": "forward", "stop": "forward", "raise": "forward", "SIGTERM": "forward", "SIGUSR1": "forward",
+          "nan-attention": "forward", "nan-loss": "forward", "kill-in-save": "save",
+          "parent-SIGTERM": "forward", "parent-SIGUSR1": "forward",
+          "parent-SIGTERM-in-save": "save", "parent-SIGUSR1-in-save": "save"}
 
 
 def _parse(text: str) -> List[Tuple[str, int, int]]:
@@ -57,10 +62,14 @@ def inject(point: str, iteration: int, model: Optional[List[Any]] = None, loss_m
     for kind in planned(point, iteration):
         if kind in ("kill", "kill-in-save"):
             os.kill(os.getpid(), signal.SIGKILL)
+        elif kind == "stop":
+            os.kill(os.getpid(), signal.SIGSTOP)
         elif kind == "raise":
             raise RuntimeError(f"{ENV}: injected exception in the forward step of iteration {iteration}")
         elif kind in ("SIGTERM", "SIGUSR1"):
             os.kill(os.getpid(), getattr(signal, kind))
+        elif kind.startswith("parent-"):
+            os.kill(os.getppid(), getattr(signal, kind.split("-")[1]))
         elif kind == "nan-loss":
             loss_mask.fill_(float("nan"))
         elif kind == "nan-attention":

@@ -15,14 +15,23 @@ The parent is the run's watchdog, as torchrun's elastic agent is for GPU runs:
   the end, so no helper a rank started (e.g. dist_checkpointing's Manager) survives;
   a rank is also SIGKILLed by the kernel if the launcher itself dies (Linux
   ``PR_SET_PDEATHSIG``);
+- when no rank has advanced (changed phase, see ``progress``) for ``--stall-timeout-minutes``
+  (a stopped rank, a deadlock outside a collective's timeout), it prints every rank's
+  Python stack (``faulthandler`` on SIGQUIT; a stopped rank is continued so that it
+  can), names the rank that advanced least recently, kills every rank and returns
+  ``STALL_STATUS``;
 - SIGTERM, SIGUSR1, SIGUSR2, SIGINT and SIGHUP sent to the parent are forwarded to
-  every rank (with ``--exit-signal-handler`` the ranks then save and exit 0).
+  the rank processes only, never to their process groups: helpers a rank started
+  (the checkpoint writer's Manager, the resource tracker) must live until the rank's
+  preemption checkpoint is written (with ``--exit-signal-handler`` the ranks then
+  save and exit 0).
 """
 
 from __future__ import annotations
 
 import argparse
 import ctypes
+import faulthandler
 import gc
 import importlib
 import multiprocessing
@@ -37,7 +46,7 @@ from megatron_hsap.training import progress
 from megatron_hsap.training.quiet import quiet_rank
 
 __all__ = ["die_with_parent", "freeze_imported_objects", "launched_by_torchrun", "spawn_local_ranks",
-           "FORWARDED_SIGNALS", "RANK_IMPORTS"]
+           "FORWARDED_SIGNALS", "RANK_IMPORTS", "STACK_SIGNAL", "STALL_STATUS"]
 
 #: Imported by the launcher before it forks, once instead of once per rank: the training loop (Megatron-Core's
 #: models and optimizer with it) and Megatron-Core's text tokenizer classes, whose libraries (transformers among
@@ -45,6 +54,12 @@ __all__ = ["die_with_parent", "freeze_imported_objects", "launched_by_torchrun",
 RANK_IMPORTS = ("megatron.core.tokenizers.text.models", "megatron_hsap.training.loop")
 #: Signals the launcher passes on to every rank.
 FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2, signal.SIGINT, signal.SIGHUP)
+#: Makes a rank print every thread's Python stack to stderr (faulthandler).
+STACK_SIGNAL = signal.SIGQUIT
+#: The launcher's exit status when its stall watchdog stopped the run (as ``timeout(1)`` reports a timeout).
+STALL_STATUS = 124
+#: How long the watchdog waits for each rank's stack.
+_STACK_SECONDS = 0.5
 #: After the first failures are seen, how long to wait for a signal death that explains them.
 _SETTLE_SECONDS = 0.5
 _POLL_SECONDS = 0.05
@@ -75,6 +90,7 @@ def _rank_main(rank: int, nproc: int, port: int, main: Callable[[argparse.Namesp
     os.setpgid(0, 0)  # own process group: the launcher can kill the rank with everything it started
     quiet_rank(rank)
     die_with_parent(parent)
+    faulthandler.register(STACK_SIGNAL, all_threads=True)
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(nproc), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(nproc),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
                       OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
@@ -93,6 +109,14 @@ def _how(exitcode: int) -> str:
 def _shell_status(exitcode: int) -> int:
     """A child's exit code as a shell reports it (128 + N for a child killed by signal N)."""
     return 128 - exitcode if exitcode < 0 else exitcode
+
+
+def _kill(pid: int, sig: int) -> None:
+    """Signal the process ``pid`` only (not the helpers in its process group)."""
+    try:
+        os.kill(pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
 
 
 def _kill_group(pid: Optional[int], sig: int) -> None:
@@ -117,10 +141,12 @@ def freeze_imported_objects() -> None:
 
 
 def spawn_local_ranks(nproc: int, main: Callable[[argparse.Namespace], int], args: argparse.Namespace,
-                      grace_seconds: float) -> int:
+                      grace_seconds: float, stall_seconds: Optional[float] = None) -> int:
     """Run ``main(args)`` on ``nproc`` forked ranks and watch them; returns 0 or the first failure's status.
 
     grace_seconds: after the first rank fails, how long the others may take to exit on their own.
+    stall_seconds: when no rank has changed phase for this long, dump every rank's stack and stop the run
+    (``STALL_STATUS``); None: no stall watchdog.
     """
     for module in RANK_IMPORTS:
         importlib.import_module(module)
@@ -143,11 +169,11 @@ def spawn_local_ranks(nproc: int, main: Callable[[argparse.Namespace], int], arg
     def forward(signum: int, _frame: object) -> None:
         for p in procs:
             if p.exitcode is None:
-                _kill_group(p.pid, signum)
+                _kill(p.pid, signum)
 
     previous = {s: signal.signal(s, forward) for s in FORWARDED_SIGNALS}
     try:
-        return _watch(procs, shared, grace_seconds)
+        return _watch(procs, shared, grace_seconds, stall_seconds)
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
@@ -156,9 +182,46 @@ def spawn_local_ranks(nproc: int, main: Callable[[argparse.Namespace], int], arg
             p.join()
 
 
-def _watch(procs: List[multiprocessing.process.BaseProcess], shared: object, grace_seconds: float) -> int:
+def _is_stopped(pid: int) -> bool:
+    """Whether ``pid`` is stopped (SIGSTOP, a debugger), from Linux's /proc (False elsewhere)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("T", "t")
+    except (OSError, IndexError):
+        return False
+
+
+def _stop_stalled(procs: List[multiprocessing.process.BaseProcess], shared: object, stall_seconds: float) -> None:
+    """Name the rank that stopped advancing, print every rank's stack, then kill every rank."""
+    running = [(rank, p) for rank, p in enumerate(procs) if p.exitcode is None]
+    stopped = [r for r, q in running if _is_stopped(q.pid)]
+    # A stopped rank is the cause; else the rank behind the others; else the one whose last step was longest ago.
+    rank, p = min(running, key=lambda rp: (rp[0] not in stopped, progress.iteration_shared(shared, rp[0]),
+                                           progress.last_progress(shared, rp[0])))
+    how = f"; stopped (SIGSTOP or a debugger): rank(s) {', '.join(map(str, stopped))}" if stopped else ""
+    _say(f"no rank advanced for {stall_seconds:g} s (--stall-timeout-minutes): rank {rank} (pid {p.pid}) stopped "
+         f"advancing first, during {progress.describe_shared(shared, rank)}{how}; every rank's stack follows, "
+         "then the job is stopped")
+    for r, q in running:  # one after another: stacks written at once would interleave
+        _say(f"stack of rank {r} (pid {q.pid}):")
+        _kill(q.pid, STACK_SIGNAL)
+        _kill(q.pid, signal.SIGCONT)  # a stopped rank prints its stack only once continued
+        time.sleep(_STACK_SECONDS)
+    for _, q in running:
+        _kill_group(q.pid, signal.SIGKILL)
+    for _, q in running:
+        q.join()
+
+
+def _watch(procs: List[multiprocessing.process.BaseProcess], shared: object, grace_seconds: float,
+           stall_seconds: Optional[float] = None) -> int:
     failed_at, status = None, 0
+    started = time.monotonic()
     while any(p.exitcode is None for p in procs):
+        latest = max([started] + [progress.last_progress(shared, r) for r in range(len(procs))])
+        if failed_at is None and stall_seconds is not None and time.monotonic() - latest > stall_seconds:
+            _stop_stalled(procs, shared, stall_seconds)
+            return STALL_STATUS
         if failed_at is None:
             failed = [(rank, p) for rank, p in enumerate(procs) if p.exitcode not in (None, 0)]
             if failed and all(p.exitcode > 0 for _, p in failed):

@@ -201,7 +201,7 @@ def _setup(args: argparse.Namespace) -> Tuple[Any, ...]:
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
         context_parallel_size=args.context_parallel_size, cp_config=cp_config_from_args(args),
-        ranks_per_node=args.ranks_per_node,
+        ranks_per_node=args.ranks_per_node, distributed_timeout_minutes=args.distributed_timeout_minutes,
         virtual_pipeline_model_parallel_size=None if args.num_layers_per_virtual_pipeline_stage is None else
         args.num_layers // args.pipeline_model_parallel_size // args.num_layers_per_virtual_pipeline_stage)
     # Every rank has finished building its groups before any can fail the check below and exit

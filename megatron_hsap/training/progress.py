@@ -4,7 +4,8 @@ The training loop calls ``set_phase`` at each phase change; error messages on th
 rank quote ``describe()``. When the ``--nproc`` launcher forked the rank it shares
 a small array with it (``share``), so the launcher can say where a rank was when it
 died, even when the rank was killed without a chance to print anything, and
-which rank failed first when several did (``mark_failed`` records the time).
+which rank failed first when several did (``mark_failed`` records the time), and
+which rank stopped advancing when the run stalls (the time of every phase change).
 """
 
 from __future__ import annotations
@@ -13,15 +14,16 @@ import time
 from typing import Any, Optional
 
 __all__ = ["PHASES", "FIELDS", "set_phase", "current_iteration", "mark_failed", "describe", "share",
-           "describe_shared", "failed_at"]
+           "describe_shared", "failed_at", "iteration_shared", "last_progress"]
 
 #: Phase names, indexed by the code stored in the shared array.
 PHASES = ("start-up", "loading checkpoint", "forward-backward", "optimizer step", "saving checkpoint", "finished",
           "evaluation")
 
 _state = {"iteration": 0, "phase": 0}
-#: Values per rank in the launcher's shared array: iteration, phase code, time.monotonic() of the failure (0: none).
-FIELDS = 3
+#: Values per rank in the launcher's shared array: iteration, phase code, time.monotonic() of the failure (0: none),
+#: time.monotonic() of the last phase change (the launcher's stall watchdog reads it).
+FIELDS = 4
 _shared: Optional[Any] = None  # multiprocessing.Array('d', FIELDS * nproc) from the launcher
 _slot = 0
 
@@ -39,6 +41,7 @@ def set_phase(phase: str, iteration: Optional[int] = None) -> None:
         _state["iteration"] = iteration
     if _shared is not None:
         _shared[_slot], _shared[_slot + 1] = _state["iteration"], _state["phase"]
+        _shared[_slot + 3] = time.monotonic()
 
 
 def mark_failed() -> None:
@@ -65,6 +68,16 @@ def describe() -> str:
 def describe_shared(array: Any, rank: int) -> str:
     """Rank ``rank``'s last recorded position in a launcher's shared ``array``."""
     return _text(int(array[FIELDS * rank]), int(array[FIELDS * rank + 1]))
+
+
+def iteration_shared(array: Any, rank: int) -> int:
+    """Rank ``rank``'s last recorded iteration in a launcher's shared ``array``."""
+    return int(array[FIELDS * rank])
+
+
+def last_progress(array: Any, rank: int) -> float:
+    """When rank ``rank`` last changed phase (``time.monotonic()``; 0.0 before its first)."""
+    return array[FIELDS * rank + 3]
 
 
 def failed_at(array: Any, rank: int) -> float:

@@ -1,0 +1,234 @@
+"""Failures that must neither hang nor lose work (issue 29): a stopped rank, preemption through the launcher,
+two jobs on one checkpoint directory, a checkpoint that tries to run code, one-rank-bad attention input.
+
+End-to-end runs use the tiny GPT of ``tests/test_fault_tolerance.py`` on warm forked ranks (``tests/cli_runs.py``)
+and the test-only ``HSAP_TEST_FAULT`` hook; several checks share one run where they can.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import time
+
+import pytest
+
+from megatron_hsap.training.save_lock import lock_save_directory
+
+from tests.distributed import run_distributed
+from tests.test_fault_tolerance import TINY
+from tests.test_training_pretrain import _run
+
+#: A run that outlives this is a hang (the bug these tests guard against): the test fails instead of waiting.
+HANG_SECONDS = 90
+
+
+def _stopped_rank_run(cache_dir: str, *flags: str) -> subprocess.CompletedProcess:
+    """Rank 1 of CP 2 SIGSTOPs itself in iteration 2's forward; returns the finished run (fails on a hang)."""
+    try:
+        return _run(TINY + ["--context-parallel-size", "2", "--train-iters", "4", "--data-cache-path", cache_dir,
+                            "--rank-failure-grace-seconds", "2"] + list(flags), 2, timeout=HANG_SECONDS,
+                    env={"HSAP_TEST_FAULT": "stop@1:2"})
+    except subprocess.TimeoutExpired as err:
+        pytest.fail(f"the run with a stopped rank hung for {HANG_SECONDS} s: {str(err.stderr)[-2000:]}")
+
+
+def _launcher_lines(stderr: str) -> str:
+    return "\n".join(line for line in stderr.splitlines() if line.startswith("pretrain_gpt_hsap.py:"))
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory) -> str:
+    return str(tmp_path_factory.mktemp("hsap_cache"))
+
+
+def test_distributed_timeout_bounds_every_group(cache_dir):
+    """With the watchdog off, the CP group's collective must time out after --distributed-timeout-minutes
+    (Megatron-Core's groups default to 30 minutes unless given the timeout)."""
+    t0 = time.monotonic()
+    result = _stopped_rank_run(cache_dir, "--distributed-timeout-minutes", "0.05", "--stall-timeout-minutes", "0")
+    wall = time.monotonic() - t0
+    assert result.returncode != 0, result.stderr[-3000:]
+    assert re.search(r"rank 0 \(pid \d+\) exited with status 1 during iteration 2", result.stderr), \
+        result.stderr[-3000:]
+    print(f"stopped rank, 3 s collective timeout: run ended after {wall:.1f} s")
+
+
+def test_stall_watchdog_names_the_stopped_rank_and_prints_every_stack(cache_dir):
+    t0 = time.monotonic()
+    result = _stopped_rank_run(cache_dir, "--distributed-timeout-minutes", "10", "--stall-timeout-minutes", "0.2")
+    wall = time.monotonic() - t0
+    assert result.returncode == 124, result.stderr[-3000:]
+    assert re.search(r"no rank advanced for 12 s \(--stall-timeout-minutes\): rank 1 \(pid \d+\) stopped advancing "
+                     r"first, during iteration 2 \(forward-backward\); stopped \(SIGSTOP or a debugger\): rank\(s\) 1",
+                     result.stderr), _launcher_lines(result.stderr)
+    # faulthandler's dump of each rank under its header: the stopped rank in its forward, rank 0 waiting for it.
+    chunks = re.split(r"stack of rank (\d) \(pid \d+\):\n", result.stderr)[1:]
+    stacks = dict(zip(chunks[0::2], chunks[1::2]))
+    assert sorted(stacks) == ["0", "1"], result.stderr[-5000:]
+    for stack in stacks.values():
+        assert re.search(r"(?:Current thread|Thread) 0x[0-9a-f]+ \(most recent call first\):\n(  File .*\n)*  File .*loop\.py", stack), \
+            stack
+    assert "fault_injection.py" in stacks["1"], stacks["1"]
+    print(f"stopped rank, 12 s stall timeout: run ended after {wall:.1f} s")
+
+
+@pytest.mark.parametrize("fault, saved", [
+    ("parent-SIGTERM@0:2", 2),  # during a forward
+    ("parent-SIGTERM-in-save@0:1,parent-SIGTERM-in-save@1:1", 2),  # two SIGTERMs during the first save
+    ("parent-SIGUSR1-in-save@1:2", 3),  # during a periodic save
+], ids=["SIGTERM", "two-SIGTERMs-in-first-save", "SIGUSR1-in-periodic-save"])
+def test_signal_to_the_launcher_leaves_a_complete_preemption_checkpoint(tmp_path, cache_dir, fault, saved):
+    """The launcher passes the signal to the rank processes only: the helpers of the checkpoint writer they
+    started (megatron-core's Manager) live on, and every rank saves and exits 0."""
+    ckpt = tmp_path / "ckpt"
+    result = _run(TINY + ["--context-parallel-size", "2", "--train-iters", "5", "--data-cache-path", cache_dir,
+                          "--save", str(ckpt), "--save-interval", "1", "--exit-signal-handler"], 2,
+                  timeout=HANG_SECONDS, env={"HSAP_TEST_FAULT": fault})
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert f"exiting after iteration {saved}" in result.stdout + result.stderr, result.stdout[-2000:]
+    assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == str(saved)
+    assert (ckpt / f"iter_{saved:07d}" / "hsap_manifest.json").is_file()
+    assert not [p.name for p in ckpt.iterdir() if p.name.endswith(".partial")]
+
+
+# ---------------------------------------------------------------- one job per --save directory
+
+def test_second_job_on_a_locked_save_directory_fails_at_start_up_naming_the_holder(tmp_path, cache_dir):
+    save = tmp_path / "ckpt"
+    holder = lock_save_directory(str(save))  # the first job
+    try:
+        result = _run(TINY + ["--train-iters", "2", "--data-cache-path", cache_dir, "--save", str(save)], 1,
+                      timeout=HANG_SECONDS)
+    finally:
+        holder.close()
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert re.search(rf"error: --save '{re.escape(str(save))}' is in use by another job \(pid {os.getpid()} on "
+                     r"\S+ since .*\)", result.stderr), result.stderr[-2000:]
+    assert not any(p.name.startswith("iter_") for p in save.iterdir())
+    again = lock_save_directory(str(save))  # released with its holder
+    again.close()
+
+
+@pytest.mark.parametrize("under_file", [False, True], ids=["a-file", "under-a-file"])
+def test_unwritable_save_path_is_refused_at_start_up(tmp_path, under_file):
+    """A file, or a path below one (a read-only directory cannot be tested here: the tests may run as root)."""
+    (tmp_path / "file").write_text("not a directory")
+    save = tmp_path / "file" / "ckpt" if under_file else tmp_path / "file"
+    with pytest.raises(ValueError, match=rf"--save '{re.escape(str(save))}' is not a writable directory"):
+        lock_save_directory(str(save))
+
+
+# ---------------------------------------------------------------- one-rank-bad attention input
+
+def _head_chunked_mismatch(case: str) -> str:
+    import torch
+    import torch.distributed as dist
+
+    from megatron_hsap.attention.upipe import head_chunked_attention
+    from megatron_hsap.config import ContextParallelConfig
+    from megatron_hsap.parallel_state import initialize_model_parallel
+    from megatron_hsap.sequence.doc_lengths import cu_seqlens_from_lengths
+    from megatron_hsap.sequence.plan import plan_batch
+
+    topo = initialize_model_parallel(context_parallel_size=4, ranks_per_node=2,
+                                     cp_config=ContextParallelConfig(mode="hsap", ulysses_size=2, kernel="cpu_fused"))
+    rank = topo.cp_rank
+    plan = plan_batch(cu_seqlens_from_lengths([40, 24]), topo, "zigzag")
+    dtype = torch.float64 if case == "dtype" and rank == 1 else torch.float32
+    chunk = {("head_chunk_size", 2): 4, ("bad", 3): 3}.get((case, rank), 2)
+    hidden, weight = torch.randn(plan.tokens_per_rank, 1, 16, dtype=dtype), torch.randn(8 * 8, 16, dtype=dtype)
+    with pytest.raises(ValueError) as info:
+        head_chunked_attention(hidden, weight, None, plan, num_heads_q=4, num_heads_kv=2, head_dim=8,
+                               head_chunk_size=chunk)
+    dist.barrier()  # every rank got here: nobody is stuck in an attention collective
+    return str(info.value)
+
+
+@pytest.mark.parametrize("case,expected", [("dtype", "dtype (CP ranks [1] differ from CP rank 0)"),
+                                           ("head_chunk_size", "head_schedule (CP ranks [2] differ from CP rank 0)"),
+                                           ("bad", "CP rank(s) [3] rejected their attention inputs")])
+def test_head_chunked_input_bad_on_one_rank_raises_on_every_rank(case, expected):
+    messages = run_distributed(_head_chunked_mismatch, 4, case, timeout=120)
+    if case == "bad":
+        assert "head_chunk_size" in messages[3] and "[3]" in messages[3], messages[3]
+        messages = messages[:3]
+    assert all(m == messages[0] for m in messages), messages
+    assert expected in messages[0], messages[0]
+
+
+# ---------------------------------------------------------------- NaN / Inf propagate in every mode
+
+#: (tensor, token, head, value): one poisoned element. Token 5 is in document 0 ([0, 40)), token 50 in document 1.
+POISON = [("q", 5, 1, float("nan")), ("k", 50, 0, float("nan")), ("q", 44, 3, float("-inf")),
+          ("k", 20, 1, float("inf"))]
+
+
+def _poisoned_attention(mode: str, ulysses_size, poison) -> list:
+    import torch
+
+    from megatron_hsap.attention import context_parallel_attention
+    from megatron_hsap.config import ContextParallelConfig
+    from megatron_hsap.parallel_state import initialize_model_parallel
+    from megatron_hsap.sequence.doc_lengths import cu_seqlens_from_lengths
+    from megatron_hsap.sequence.plan import plan_batch
+
+    topo = initialize_model_parallel(context_parallel_size=4, ranks_per_node=2,
+                                     cp_config=ContextParallelConfig(mode=mode, ulysses_size=ulysses_size,
+                                                                     kernel="cpu_fused"))
+    plan = plan_batch(cu_seqlens_from_lengths([40, 24]), topo, "zigzag")
+    gen = torch.Generator().manual_seed(3)
+    qkv = {"q": torch.randn(64, 4, 8, generator=gen, dtype=torch.float64),
+           "k": torch.randn(64, 2, 8, generator=gen, dtype=torch.float64),
+           "v": torch.randn(64, 2, 8, generator=gen, dtype=torch.float64)}
+    name, token, head, value = poison
+    qkv[name][token, head] = value
+    out = context_parallel_attention(*(plan.shard(qkv[n]) for n in "qkv"), plan)
+    return plan.unshard(out).tolist()
+
+
+@pytest.mark.parametrize("mode,ulysses_size", [("ring", None), ("ulysses", None), ("hybrid", 2)])
+def test_nan_and_inf_propagate_as_in_the_single_rank_reference(mode, ulysses_size):
+    """Every output element is NaN (or +-Inf) exactly where the fp64 single-process reference's is; the
+    finite ones agree with it."""
+    import torch
+
+    from megatron_hsap.sequence.doc_lengths import cu_seqlens_from_lengths
+    from tests.reference import dense_attention
+
+    for poison in POISON:
+        got = torch.tensor(run_distributed(_poisoned_attention, 4, mode, ulysses_size, poison, timeout=120)[0],
+                           dtype=torch.float64)
+        gen = torch.Generator().manual_seed(3)
+        q, k, v = (torch.randn(64, h, 8, generator=gen, dtype=torch.float64) for h in (4, 2, 2))
+        name, token, head, value = poison
+        {"q": q, "k": k, "v": v}[name][token, head] = value
+        expected = dense_attention(q, k, v, cu_seqlens_from_lengths([40, 24]))
+        assert expected.isnan().any() or expected.isinf().any(), f"{poison}: the poison reaches no output"
+        assert torch.equal(got.isnan(), expected.isnan()), f"{mode} {poison}: NaN at " \
+            f"{got.isnan().nonzero().tolist()[:8]}, reference at {expected.isnan().nonzero().tolist()[:8]}"
+        finite = expected.isfinite()
+        assert torch.equal(got[~finite & ~expected.isnan()], expected[~finite & ~expected.isnan()]), poison
+        assert torch.allclose(got[finite], expected[finite], atol=1e-10, rtol=0), poison
+
+
+# ---------------------------------------------------------------- start-up errors say what is wrong
+
+@pytest.mark.parametrize("flags, message", [
+    (["--lr", "1e-4", "--min-lr", "1e-3"], r"--min-lr \(0.001\) must not exceed --lr \(0.0001\)"),
+    (["--data-path", "0", "{a}", "1", "{b}"], r"--data-path: the weight of '.*/a' is '0'; weights must be finite"),
+    (["--data-path", "1", "{a}", "nan", "{b}"], r"--data-path: the weight of '.*/b' is 'nan'; weights must be"),
+    (["--data-path", "-1", "{a}", "2", "{b}"], r"--data-path: the weight of '.*/a' is '-1'; weights must be"),
+], ids=["min-lr-above-lr", "weight-0", "weight-nan", "weight-negative"])
+def test_start_up_errors_name_the_flag(tmp_path, capsys, flags, message):
+    """Before these checks the run failed later with an empty message (``error: rank 1, start-up: ``)."""
+    from megatron_hsap.training.arguments import parse_args
+
+    for name in "ab":
+        for ext in (".bin", ".idx"):
+            (tmp_path / (name + ext)).write_bytes(b"")
+    argv = ["--nproc", "1"] + [f.format(a=tmp_path / "a", b=tmp_path / "b") for f in flags]
+    with pytest.raises((ValueError, SystemExit)) as err:  # parse_args reports some as argparse errors (exit 2)
+        parse_args(argv)
+    assert re.search(message, str(err.value) + capsys.readouterr().err)
