@@ -96,6 +96,21 @@ def test_ring_attention_block_within_5_percent():
             assert abs(total / peak - 1) <= TOL, (rank, t, h, h_kv, d, u, peak, total)
 
 
+def _bf16_llama_config(shape, **extra):
+    """Megatron's TransformerConfig of a Llama-style bf16 model of ``shape`` (a memory_model.ModelShape), CPU-runnable."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from megatron_hsap.megatron.cpu_shim import cpu_config_overrides
+
+    return TransformerConfig(num_layers=shape.layers, hidden_size=shape.hidden, num_attention_heads=shape.heads,
+                             num_query_groups=shape.kv_heads, ffn_hidden_size=shape.ffn, gated_linear_unit=True,
+                             activation_func=torch.nn.functional.silu, add_bias_linear=False,
+                             normalization="RMSNorm", hidden_dropout=0.0, attention_dropout=0.0,
+                             bias_dropout_fusion=False, bias_activation_fusion=False, masked_softmax_fusion=False,
+                             gradient_accumulation_fusion=False, apply_rope_fusion=False,
+                             params_dtype=torch.bfloat16, bf16=True, **cpu_config_overrides(), **extra)
+
+
 def _saved_activations_of_a_recomputed_decoder(layers: int) -> Tuple[int, int]:
     """What the project's GPT decoder (HSAP attention, packed documents) keeps between its forward and its backward
     under Megatron's full recompute (``--recompute-granularity full --recompute-method uniform
@@ -103,13 +118,11 @@ def _saved_activations_of_a_recomputed_decoder(layers: int) -> Tuple[int, int]:
     rotary table, the packed-sequence parameters and the plan's tables built inside the measurement. Returns
     (measured, predicted) bytes."""
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
-    from megatron.core.transformer.transformer_config import TransformerConfig
 
     from megatron_hsap.config import ContextParallelConfig
     from megatron_hsap.instrumentation.memory import track_peak_memory
     from megatron_hsap.instrumentation.memory_model import ModelShape, Parallelism, Training, estimate
     from megatron_hsap.megatron.attention import HSAPPackedSeqParams
-    from megatron_hsap.megatron.cpu_shim import cpu_config_overrides
     from megatron_hsap.megatron.sequence_chunks import HSAPGPTModel
     from megatron_hsap.megatron.spec import get_gpt_layer_hsap_spec
     from megatron_hsap.parallel_state import get_cp_topology
@@ -119,14 +132,8 @@ def _saved_activations_of_a_recomputed_decoder(layers: int) -> Tuple[int, int]:
     shape = ModelShape("wide", layers, 256, 4, 2, 64, 512, 256)
     t = 2048
     model_parallel_cuda_manual_seed(1)
-    config = TransformerConfig(num_layers=shape.layers, hidden_size=shape.hidden, num_attention_heads=shape.heads,
-                               num_query_groups=shape.kv_heads, ffn_hidden_size=shape.ffn, gated_linear_unit=True,
-                               activation_func=torch.nn.functional.silu, add_bias_linear=False,
-                               normalization="RMSNorm", hidden_dropout=0.0, attention_dropout=0.0,
-                               bias_dropout_fusion=False, bias_activation_fusion=False, masked_softmax_fusion=False,
-                               gradient_accumulation_fusion=False, apply_rope_fusion=False,
-                               params_dtype=torch.bfloat16, bf16=True, recompute_granularity="full",
-                               recompute_method="uniform", recompute_num_layers=1, **cpu_config_overrides())
+    config = _bf16_llama_config(shape, recompute_granularity="full", recompute_method="uniform",
+                                recompute_num_layers=1)
     spec = get_gpt_layer_hsap_spec(ContextParallelConfig(mode="ulysses", kernel="torch"), normalization="RMSNorm",
                                    use_transformer_engine=False)
     gpt = HSAPGPTModel(config=config, transformer_layer_spec=spec, vocab_size=shape.vocab, max_sequence_length=t,
@@ -151,7 +158,6 @@ def _model_components_body() -> Dict[str, Tuple[int, int]]:
     fwd + bwd peaks, and one layer's saved activations under full recompute."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
-    from megatron.core.transformer.transformer_config import TransformerConfig
 
     from megatron_hsap.instrumentation.memory import track_peak_memory
     from megatron_hsap.instrumentation.memory_model import (
@@ -163,7 +169,7 @@ def _model_components_body() -> Dict[str, Tuple[int, int]]:
         estimate,
         parameter_count,
     )
-    from megatron_hsap.megatron.cpu_shim import apply_cpu_shim, cpu_config_overrides
+    from megatron_hsap.megatron.cpu_shim import apply_cpu_shim
     from megatron_hsap.megatron.sequence_chunks import HSAPGPTModel, chunked_output_cross_entropy
     from megatron_hsap.megatron.spec import _use_tiled_mlp
     from megatron_hsap.parallel_state import initialize_model_parallel
@@ -172,13 +178,7 @@ def _model_components_body() -> Dict[str, Tuple[int, int]]:
     initialize_model_parallel(context_parallel_size=1)
     model_parallel_cuda_manual_seed(1)
     shape = ModelShape("tiny", 2, 64, 4, 2, 16, 160, 256)
-    config = TransformerConfig(num_layers=shape.layers, hidden_size=shape.hidden, num_attention_heads=shape.heads,
-                               num_query_groups=shape.kv_heads, ffn_hidden_size=shape.ffn, gated_linear_unit=True,
-                               activation_func=torch.nn.functional.silu, add_bias_linear=False,
-                               normalization="RMSNorm", hidden_dropout=0.0, attention_dropout=0.0,
-                               bias_dropout_fusion=False, bias_activation_fusion=False, masked_softmax_fusion=False,
-                               gradient_accumulation_fusion=False, apply_rope_fusion=False, params_dtype=torch.bfloat16,
-                               bf16=True, **cpu_config_overrides())
+    config = _bf16_llama_config(shape)
     spec = get_gpt_layer_local_spec(normalization="RMSNorm")
     _use_tiled_mlp(spec, 4)
     gpt = HSAPGPTModel(config=config, transformer_layer_spec=spec, vocab_size=shape.vocab, max_sequence_length=512,
