@@ -20,7 +20,7 @@ from tests.distributed import run_distributed_fresh
 VOCAB, SEQ = 128, 64
 FLAGS = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", str(SEQ),
          "--micro-batch-size", "1", "--vocab-size", str(VOCAB), "--tokenizer-type", "NullTokenizer",
-         "--mock-data", "--train-iters", "20", "--lr", "1e-4"]
+         "--mock-data", "--train-iters", "20", "--lr", "1e-4", "--min-lr", "1e-5"]
 
 
 def _args() -> argparse.Namespace:
