@@ -84,15 +84,16 @@ def test_every_parameter_and_buffer_is_on_the_model_device_before_ddp():
 
 
 def test_the_shim_norm_is_built_where_megatron_builds_its_layers(monkeypatch):
-    """``use_cpu_initialization=False``: on ``torch.cuda.current_device()`` (here ``meta``), not on the CPU."""
+    """``use_cpu_initialization=False``: on ``torch.cuda.current_device()`` (here ``meta``), not on the CPU; in
+    ``params_dtype`` like Megatron's own layers (fp32 norms in a bf16 model broke the bf16 optimizer's checkpoint)."""
     from megatron_hsap.megatron.cpu_shim import SequenceParallelTorchNorm
 
     monkeypatch.setattr(torch.cuda, "current_device", lambda: "meta")
     for normalization in ("LayerNorm", "RMSNorm"):
         config = argparse.Namespace(normalization=normalization, sequence_parallel=False,
-                                    use_cpu_initialization=False)
+                                    use_cpu_initialization=False, params_dtype=torch.bfloat16)
         norm = SequenceParallelTorchNorm(config, 16)
-        assert {p.device.type for p in norm.parameters()} == {"meta"}, normalization
+        assert {(p.device.type, p.dtype) for p in norm.parameters()} == {("meta", torch.bfloat16)}, normalization
         config.use_cpu_initialization = True
         assert {p.device.type for p in SequenceParallelTorchNorm(config, 16).parameters()} == {"cpu"}
 
