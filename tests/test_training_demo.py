@@ -56,4 +56,6 @@ def test_cpu_demo_trains_with_hsap_across_two_emulated_nodes(tmp_path):
     assert abs(run["bytes_inter_vs_zigzag"] - float(ratio.group(1))) <= 0.005
     assert records[0]["plan"]["interval"]["planned"]["micro_batches"] == 10
     first, last = records[0]["loss"], records[-1]["loss"]
-    assert last < first - 1.0, f"loss {first:.3f} -> {last:.3f}"
+    # The first record averages iterations 1-10 (Megatron-LM's interval mean), so it already holds most of the
+    # early drop; a model that does not learn stays near ln(vocab) = 6.2 (uniform) or ~5.5 (byte unigrams).
+    assert last < first - 0.5 and last < 4.0, f"loss {first:.3f} -> {last:.3f}"
