@@ -41,6 +41,9 @@ TE_2_15_BWD = (
     "attn_bias_type='no_bias', attn_mask_type='padding', softmax_type='vanilla', window_size=(-1, "
     '-1), bottom_right_diagonal=None, deterministic=False, cuda_graph=False)')
 
+#: 2.15 to 2.19 share these signatures (each release read; 2.19 from its release branch).
+TE_2_15_TO_2_19 = dict(softmax_type=True, get_fused_attn_backend=TE_QUERY_2_12, fused_attn_fwd=TE_2_15_FWD,
+                       fused_attn_bwd=TE_2_15_BWD)
 TE_RELEASES = {
     "2.0": dict(
         softmax_type=False,
@@ -184,24 +187,9 @@ TE_RELEASES = {
             "attn_bias_type='no_bias', attn_mask_type='padding', softmax_type='vanilla', window_size=(-1, "
             '-1), bottom_right_diagonal=None, deterministic=False, cuda_graph=False)'),
     ),
-    "2.15": dict(
-        softmax_type=True,
-        get_fused_attn_backend=TE_QUERY_2_12,
-        fused_attn_fwd=TE_2_15_FWD,
-        fused_attn_bwd=TE_2_15_BWD,
-    ),
-    "2.18": dict(
-        softmax_type=True,
-        get_fused_attn_backend=TE_QUERY_2_12,
-        fused_attn_fwd=TE_2_15_FWD,
-        fused_attn_bwd=TE_2_15_BWD,
-    ),
-    "2.19": dict(
-        softmax_type=True,
-        get_fused_attn_backend=TE_QUERY_2_12,
-        fused_attn_fwd=TE_2_15_FWD,
-        fused_attn_bwd=TE_2_15_BWD,
-    ),
+    "2.15": TE_2_15_TO_2_19,
+    "2.18": TE_2_15_TO_2_19,
+    "2.19": TE_2_15_TO_2_19,
     "2.20": dict(
         softmax_type=True,
         # one FusedAttentionParams object (transformer_engine/pytorch/attention/dot_product_attention/utils.py,
