@@ -47,12 +47,13 @@ def test_distributed_timeout_bounds_every_group(cache_dir):
     """With the watchdog off, the CP group's collective must time out after --distributed-timeout-minutes
     (Megatron-Core's groups default to 30 minutes unless given the timeout)."""
     t0 = time.monotonic()
-    result = _stopped_rank_run(cache_dir, "--distributed-timeout-minutes", "0.05", "--stall-timeout-minutes", "0")
+    # 15 s: short against the 10-minute default, long enough for start-up's collectives on a slow stack
+    result = _stopped_rank_run(cache_dir, "--distributed-timeout-minutes", "0.25", "--stall-timeout-minutes", "0")
     wall = time.monotonic() - t0
     assert result.returncode != 0, result.stderr[-3000:]
     assert re.search(r"rank 0 \(pid \d+\) exited with status 1 during iteration 2", result.stderr), \
         result.stderr[-3000:]
-    print(f"stopped rank, 3 s collective timeout: run ended after {wall:.1f} s")
+    print(f"stopped rank, 15 s collective timeout: run ended after {wall:.1f} s")
 
 
 def test_stall_watchdog_names_the_stopped_rank_and_prints_every_stack(cache_dir):

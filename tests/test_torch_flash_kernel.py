@@ -25,7 +25,7 @@ from megatron_hsap.kernels.torch_flash_kernel import TorchFlashAttentionKernel
 from megatron_hsap.kernels.torch_kernel import TorchAttentionKernel
 from tests.library_signatures import TORCH_RELEASES
 from tests.test_gpu_kernels import dense_attention, dense_grads, dense_mask
-from tests.test_gpu_signatures import (BLOCKS, SCALE, WINDOWED_BLOCKS, FakeTE, _inputs, _seq_blocks,
+from tests.test_gpu_signatures import (SCALE, WINDOWED_BLOCKS, FakeTE, _inputs, _seq_blocks,
                                        check_against_dense, with_signature)
 
 TORCH = TorchAttentionKernel()
@@ -153,12 +153,14 @@ def test_a_release_with_an_unreviewed_parameter_is_refused():
 
 
 def test_the_installed_torch_matches_its_transcription():
-    """The local torch (2.13) is one of the transcribed releases: its real operator schemas and public signature
-    build the kernel (CUDA aside) with the public function."""
-    assert torch.__version__.startswith("2.13")
+    """The local torch, where it is one of the transcribed releases (2.13 on the main stack): its real operator
+    schemas and public signature build the kernel (CUDA aside) with the public function."""
+    release = ".".join(torch.__version__.split(".")[:2])
+    if release not in TORCH_RELEASES:
+        pytest.skip(f"torch {torch.__version__} is not among the transcribed releases ({', '.join(TORCH_RELEASES)})")
     kernel = TorchFlashAttentionKernel()
     assert kernel.uses_public_api
-    spec = TORCH_RELEASES["2.13"]
+    spec = TORCH_RELEASES[release]
     assert str(torch.ops.aten._flash_attention_forward.default._schema) == \
         str(torch._C.parse_schema("aten::" + spec["aten_fwd"]))
     import torch.nn.attention.varlen as varlen

@@ -22,6 +22,9 @@ KNOWN_MEGATRON_DEPRECATIONS = (r"`torch\.distributed\.reduce_scatter_tensor` is 
                                r"`torch\.distributed\.all_gather_into_tensor` is deprecated",
                                r"`load_state_dict` is deprecated",
                                r"Please use DTensor instead and we are deprecating ShardedTensor")
+#: What torch 2.14's distributed checkpoint says about Megatron-Core 0.19's calls (UserWarnings), as above.
+KNOWN_MEGATRON_CHECKPOINT_NOTICES = (r"torch\.distributed is disabled, unavailable or uninitialized",
+                                     r"The argument order of load has been changed")
 #: Import-time notices of the current stack (megatron-core 0.19 with the registry's CUDA build of torch on a
 #: machine without CUDA) that say nothing about the run: absl is optional, MiMo is never used, and torch's
 #: C++-extension module finds no CUDA runtime (the run is on CPU by design).
@@ -47,6 +50,8 @@ def quiet_rank(rank: int) -> None:
         warnings.filterwarnings("ignore", message=message)
     for message in KNOWN_MEGATRON_DEPRECATIONS:
         warnings.filterwarnings("ignore", message=message, category=FutureWarning)
+    for message in KNOWN_MEGATRON_CHECKPOINT_NOTICES:
+        warnings.filterwarnings("ignore", message=message, category=UserWarning)
     logging.getLogger("megatron.core.transformer.transformer_layer").addFilter(_not_expected)
     logger, message = _TORCH_EXTENSION_LOG
     logging.getLogger(logger).addFilter(lambda record: not record.getMessage().startswith(message))
