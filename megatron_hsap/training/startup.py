@@ -14,10 +14,8 @@ from typing import List, Optional
 from megatron_hsap.config import ContextParallelConfig
 from megatron_hsap.parallel_state import CPTopology, cp_layout
 
-__all__ = ["configuration_lines", "arguments_block", "dry_run_topology", "dry_run_lines", "memory_method"]
+__all__ = ["configuration_lines", "arguments_block", "dry_run_topology", "dry_run_lines"]
 
-#: --context-parallel-mode -> the memory model's method (hsap runs head chunks: UPipe's stages).
-_MEMORY_METHODS = {"ring": "ring", "ulysses": "ulysses", "hybrid": "hybrid", "hsap": "upipe"}
 
 
 def configuration_lines(args: argparse.Namespace, topology: CPTopology, cp_config: ContextParallelConfig,
@@ -69,12 +67,9 @@ def dry_run_topology(args: argparse.Namespace, cp_config: ContextParallelConfig)
     return CPTopology(cp_size=args.context_parallel_size, ulysses_size=ulysses, node_of_cp_rank=node_of_cp_rank)
 
 
-def memory_method(mode: str) -> str:
-    return _MEMORY_METHODS[mode]
-
-
 def dry_run_lines(args: argparse.Namespace, device_gib: Optional[float] = 80.0) -> List[str]:
     """What ``--dry-run`` prints: the configuration block and the memory model's peak per GPU for these flags."""
+    from megatron_hsap.configurator import MODES_MEMORY_METHOD
     from megatron_hsap.instrumentation.memory_model import GiB, ModelShape, Parallelism, Training, estimate
     from megatron_hsap.training.arguments import cp_config_from_args
     from megatron_hsap.training.model import padded_vocab_size
@@ -100,7 +95,7 @@ def dry_run_lines(args: argparse.Namespace, device_gib: Optional[float] = 80.0) 
                         recompute=recompute, grad_bytes=2 if getattr(args, "grad_reduce_in_bf16", False) else 4,
                         mlp_chunks=args.mlp_sequence_chunks, loss_chunks=args.loss_sequence_chunks)
     est = estimate(shape, args.seq_length * args.micro_batch_size, parallel, training,
-                   memory_method(cp_config.mode))
+                   MODES_MEMORY_METHOD[cp_config.mode])
     parts = ", ".join(f"{name} {value / GiB:.2f}" for name, value in est.components.items())
     verdict = "" if device_gib is None else (
         f"; fits {device_gib:g} GiB of GPU memory" if est.peak <= device_gib * GiB
