@@ -17,8 +17,9 @@ $(VENV)/.installed: setup.cfg pyproject.toml
 
 venv: $(VENV)/.installed
 
+# ARGS: extra flags for the demo, e.g. make demo ARGS="--train-iters 20" (they override the preset)
 demo: venv
-	$(PY) pretrain_gpt_hsap.py
+	$(PY) pretrain_gpt_hsap.py $(ARGS)
 
 test: venv
 	$(PY) -m pytest

@@ -55,3 +55,78 @@ def test_a_skip_needs_a_reason(tmp_path):
     doc = tmp_path / "doc.md"
     doc.write_text("<!-- check-docs: skip -->\n```\n$ false\n```\n")
     assert _tool().main([str(doc)]) == 1
+
+
+SNIPPETS = """<!-- check-docs mask=\\d+\\.\\d{{3}} -->
+```
+$ python -c "print('step 1.234 s, 64 bytes')"
+step 9.999 s, {bytes} bytes
+$ python -c "print('second')"
+second
+```
+
+<!-- check-docs replace="exit 3=>exit 0" -->
+```bash
+echo shrunk; exit 3
+```
+
+<!-- check-docs -->
+```python
+import sys
+sys.exit({python_status})
+```
+
+<!-- check-docs same-as=snippet.py -->
+```python
+print("the file, word for word")
+```
+
+```
+python tools/untagged.py
+```
+"""
+
+
+def _snippet_doc(tmp_path, bytes_=64, python_status=0, file_text='print("the file, word for word")\n'):
+    doc = tmp_path / "doc.md"
+    doc.write_text(SNIPPETS.format(bytes=bytes_, python_status=python_status))
+    (tmp_path / "snippet.py").write_text(file_text)
+    return doc
+
+
+def test_snippets_run_shrunk_masked_and_word_for_word(tmp_path, monkeypatch, capsys):
+    tool = _tool()
+    monkeypatch.setattr(tool, "ROOT", str(tmp_path))  # same-as paths are relative to the repository root
+    blocks = tool.parse(str(_snippet_doc(tmp_path)))
+    assert [(b.kind, b.marker) for b in blocks] == [("run", "check"), ("run", "check"), ("bash", "check"),
+                                                    ("python", "check"), ("python", "check"), ("untagged", None)]
+    assert blocks[2].replacements == [("exit 3", "exit 0")]
+    assert tool.main([str(_snippet_doc(tmp_path)), "--python", sys.executable]) == 0
+    assert tool.main([str(_snippet_doc(tmp_path)), "--python", sys.executable, "--strict"]) == 1
+    assert "(untagged command: tag it bash)" in capsys.readouterr().out
+    for broken in (_snippet_doc(tmp_path, bytes_=65), _snippet_doc(tmp_path, python_status=1),
+                   _snippet_doc(tmp_path, file_text="print('drifted')\n")):
+        assert tool.main([str(broken), "--python", sys.executable]) == 1, broken.read_text()
+
+
+def test_a_replacement_that_does_not_apply_fails(tmp_path):
+    doc = tmp_path / "doc.md"
+    doc.write_text('<!-- check-docs replace="--train-iters 20=>--train-iters 2" -->\n```bash\ntrue\n```\n')
+    assert _tool().main([str(doc)]) == 1
+
+
+def test_every_block_of_the_docs_is_marked():
+    """README.md and docs/: every command and snippet is checked or skipped with a reason (run: CI's check_docs)."""
+    assert _tool().main(["--list", "--strict"]) == 0
+
+
+def test_every_example_is_run_by_a_checked_block_or_a_test():
+    tool = _tool()
+    checked = " ".join(b.command for path in tool.doc_files() for b in tool.parse(path) if b.marker == "check")
+    tests = " ".join(open(os.path.join(dirpath, name), encoding="utf-8").read()
+                     for dirpath, _, names in os.walk(os.path.join(ROOT, "tests")) for name in names
+                     if name.endswith(".py") and name != "test_check_docs.py")
+    examples = sorted(os.listdir(os.path.join(ROOT, "examples")))
+    assert examples
+    unrun = [name for name in examples if f"examples/{name}" not in checked and f'"{name}"' not in tests]
+    assert unrun == []

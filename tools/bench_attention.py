@@ -34,6 +34,10 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from megatron_hsap.training.quiet import quiet_rank  # noqa: E402
+
+quiet_rank(0)  # before Megatron-Core is imported (also in each spawned rank): its TE/Apex notices, once
+
 from megatron_hsap.attention import context_parallel_attention  # noqa: E402
 from megatron_hsap.config import KERNELS, ContextParallelConfig  # noqa: E402
 from megatron_hsap.instrumentation import count_comm  # noqa: E402

@@ -28,6 +28,10 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from megatron_hsap.training.quiet import quiet_rank  # noqa: E402
+
+quiet_rank(0)  # before Megatron-Core is imported (also in each spawned rank): its TE/Apex notices, once
+
 from megatron_hsap.attention import context_parallel_attention  # noqa: E402
 from megatron_hsap.config import ContextParallelConfig  # noqa: E402
 from megatron_hsap.instrumentation.memory import track_peak_memory  # noqa: E402
