@@ -130,3 +130,12 @@ def test_every_example_is_run_by_a_checked_block_or_a_test():
     assert examples
     unrun = [name for name in examples if f"examples/{name}" not in checked and f'"{name}"' not in tests]
     assert unrun == []
+
+
+def test_a_warning_repeated_by_every_rank_fails(tmp_path):
+    doc = tmp_path / "doc.md"
+    once = "import warnings; warnings.warn('notice')"
+    doc.write_text(f'<!-- check-docs -->\n```python\n{once}\n```\n\n'
+                   f'<!-- check-docs -->\n```bash\npython -c "{once}"; python -c "{once}"\n```\n')
+    tool = _tool()
+    assert [tool.check(b, sys.executable) is None for b in tool.parse(str(doc))] == [True, False]

@@ -8,6 +8,9 @@ Two kinds of fenced block are checked (docs/benchmarks.md, "Figures that stay tr
 - a snippet: a block tagged ``bash``/``sh`` (run as one ``bash -eo pipefail`` script) or ``python`` (run as
   a file); the check requires exit status 0.
 
+Either way the output may not hold the same warning twice (a library's notice repeated by every rank;
+pytest runs aside: pytest lists warnings in its own summary).
+
 Every such block carries an HTML comment on the line just above it:
 
 - ``<!-- check-docs [OPTIONS] -->``: run it from the repository root (``python`` / ``.venv/bin/python`` at
@@ -32,6 +35,7 @@ like a command (tag it ``bash`` or quote it with ``$``); ``--strict`` makes both
 from __future__ import annotations
 
 import argparse
+import collections
 import os
 import re
 import shlex
@@ -47,6 +51,8 @@ OPTION = r'[\w-]+=(?:"[^"]*"|\S+)'
 MARKER = re.compile(r"^<!--\s*check-docs(?::\s*(?P<skip>skip)\b\s*(?P<reason>.*?))?(?P<options>(?:\s+" + OPTION
                     + r")*)\s*-->$")
 PYTHON_PREFIX = re.compile(r"^(\s*(?:\w+=\S*\s+)*)(?:\.venv/bin/python3?|python3?)(?=\s)", re.MULTILINE)
+WARNING = re.compile(r"^.*?\b(\w*Warning: .*)$", re.MULTILINE)
+PYTEST = re.compile(r"(?:^|\s)(?:-m\s+)?pytest\s")
 SNIPPET_LANGUAGES = {"bash": "bash", "sh": "bash", "shell": "bash", "python": "python"}
 # An untagged block starting like one of these is a command the reader will run: it must be checked too.
 COMMAND_START = re.compile(r"^(?:\$ |(?:\w+=\S*\s+)*(?:\.venv\S*/bin/|\./)?(?:python3?|make|torchrun|pytest|bash)\s)")
@@ -137,7 +143,8 @@ def _run(block: Block, python: str) -> Tuple[Optional[str], str]:
             return f"replace: {old!r} is not in the block", ""
         text = text.replace(old, new)
     with tempfile.TemporaryDirectory() as scratch:
-        env = dict(os.environ, PYTHONPATH=ROOT, PYTHONWARNINGS="ignore", TMPDIR=scratch)
+        env = dict(os.environ, PYTHONPATH=ROOT, TMPDIR=scratch)
+        env.pop("PYTHONWARNINGS", None)  # a warning the user would see is seen here
         if block.kind == "python":
             script = os.path.join(scratch, "snippet.py")
             with open(script, "w", encoding="utf-8") as handle:
@@ -152,6 +159,12 @@ def _run(block: Block, python: str) -> Tuple[Optional[str], str]:
     output = result.stdout + "\n" + result.stderr
     if result.returncode != 0:
         return f"exit status {result.returncode}:\n{output[-2000:]}", output
+    if PYTEST.search(text):  # pytest gathers the warnings of every test into its own summary
+        return None, output
+    warnings = collections.Counter(m.group(1) for m in WARNING.finditer(output))
+    repeated = [f"{count} x {text}" for text, count in warnings.items() if count > 1]
+    if repeated:
+        return "a warning printed more than once (an entry point says each one once):\n" + "\n".join(repeated), output
     return None, output
 
 
