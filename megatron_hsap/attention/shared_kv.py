@@ -1,10 +1,9 @@
 """Remote K/V rows shared by the ring calls of UPipe's head chunks (an exchange policy, ``ring_exchange``).
 
-UPipe calls the ring once per stage (and per GQA run inside a stage), and a KV head is attended by
-several stages. A stage sends only the KV heads it is the first to attend, keeps the received rows for
-the later stages, sums their gradients over the stages and returns them in the stage of last use: a KV
-head crosses the ring once per layer in each direction, as without head chunks. Ring peers have the
-same Ulysses position and so the same stage plan: both sides skip the same slots.
+UPipe calls the ring once per stage (and per GQA run inside a stage), and a KV head is attended by several
+stages; the sharing rule and why both ring peers skip the same slots are in ``attention/ring.py``'s module
+docstring. Here: the store kept across the calls (``SharedRemoteKeyValues``) and the policy of one call
+(``SharedHeads``).
 """
 
 from __future__ import annotations
