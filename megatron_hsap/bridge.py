@@ -43,28 +43,17 @@ __all__ = ["HSAPLayerSpec", "configure_hsap", "forward_step"]
 class HSAPLayerSpec:
     """``GPTModelProvider.transformer_layer_spec``: Bridge calls it with the provider (a TransformerConfig).
 
-    Returns the HSAP decoder block for ``vp_stage``. Megatron's local ``DotProductAttention`` refuses
-    ``context_parallel_size > 1``; HSAPSelfAttention builds but never calls its core attention (it is
-    there for Megatron's state-dict keys, and the local one has no state), so with CP > 1 the local
-    core attention becomes ``IdentityOp``. TE's core attention accepts CP and is kept.
+    Returns the HSAP decoder block for ``vp_stage``. Its core attention is ``HSAPCoreAttention``, which takes
+    the model's ``context_parallel_size > 1`` (Megatron's local ``DotProductAttention`` would refuse it).
     """
 
     cp_config: ContextParallelConfig = ContextParallelConfig(mode="hsap")
 
     def __call__(self, config: Any, vp_stage: Optional[int] = None) -> Any:
-        from megatron.core.transformer.dot_product_attention import DotProductAttention
-        from megatron.core.transformer.identity_op import IdentityOp
-
         from megatron_hsap.megatron.spec import get_gpt_decoder_block_hsap_spec
 
-        block = get_gpt_decoder_block_hsap_spec(config, self.cp_config, vp_stage=vp_stage,
-                                                num_experts=config.num_moe_experts, qk_layernorm=config.qk_layernorm)
-        if config.context_parallel_size > 1:
-            for layer in block.layer_specs:
-                attention = layer.submodules.self_attention.submodules
-                if attention.core_attention is DotProductAttention:
-                    attention.core_attention = IdentityOp
-        return block
+        return get_gpt_decoder_block_hsap_spec(config, self.cp_config, vp_stage=vp_stage,
+                                               num_experts=config.num_moe_experts, qk_layernorm=config.qk_layernorm)
 
 
 def configure_hsap(cfg: Any, cp_config: ContextParallelConfig = ContextParallelConfig(mode="hsap"),

@@ -39,9 +39,9 @@ class CPTopology:
     node_of_cp_rank: Tuple[int, ...]
     cp_rank: Optional[int] = None
     cp_global_ranks: Tuple[int, ...] = ()
-    cp_group: Any = None
-    ulysses_group: Any = None
-    ring_group: Any = None
+    cp_group: Optional[dist.ProcessGroup] = None
+    ulysses_group: Optional[dist.ProcessGroup] = None
+    ring_group: Optional[dist.ProcessGroup] = None
     config: ContextParallelConfig = ContextParallelConfig()
 
     def __post_init__(self) -> None:
@@ -238,7 +238,7 @@ def attach_cp_topology(cp_config: ContextParallelConfig = ContextParallelConfig(
 
 
 def _record_topology(cp_global_ranks: Tuple[int, ...], node_of_cp_rank: Tuple[int, ...], ulysses: int,
-                     ulysses_group: Any, ring_group: Any, cp_config: ContextParallelConfig,
+                     ulysses_group: Optional[dist.ProcessGroup], ring_group: Optional[dist.ProcessGroup], cp_config: ContextParallelConfig,
                      ranks_per_node: int) -> CPTopology:
     """Make this rank's CPTopology the current one (groups joined eagerly; one warning if Ulysses spans nodes)."""
     global _TOPOLOGY, _CP_CONFIG, _WARNED_SPAN
@@ -268,7 +268,7 @@ def _resolve_ranks_per_node(ranks_per_node: Optional[int], world: int) -> int:
     return ranks_per_node
 
 
-def _join_groups_eagerly(groups: Tuple[Any, ...]) -> None:
+def _join_groups_eagerly(groups: Tuple[Optional[dist.ProcessGroup], ...]) -> None:
     """Every member joins one collective on each group now, so its communicator exists before the first
     ``batch_isend_irecv``: NCCL requires all members of a group in the first batched P2P call on it, and a
     plan can leave a ring member with nothing to exchange in the first step."""

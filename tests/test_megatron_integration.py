@@ -14,7 +14,7 @@ from tests.distributed import run_distributed_fresh
 HIDDEN, HEADS, SEQ, VOCAB = 64, 8, 64, 128
 
 
-def _tiny_config():
+def _tiny_config(**extra):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     from megatron_hsap.megatron.cpu_shim import cpu_config_overrides
@@ -23,15 +23,15 @@ def _tiny_config():
                              hidden_dropout=0.0, attention_dropout=0.0, bias_dropout_fusion=False,
                              bias_activation_fusion=False, masked_softmax_fusion=False,
                              gradient_accumulation_fusion=False, apply_rope_fusion=False,
-                             **cpu_config_overrides())
+                             **cpu_config_overrides(), **extra)
 
 
-def _gpt(spec, seed: int = 7):
+def _gpt(spec, seed: int = 7, **config):
     from megatron.core.models.gpt import GPTModel
 
     torch.manual_seed(seed)
-    return GPTModel(config=_tiny_config(), transformer_layer_spec=spec, vocab_size=VOCAB, max_sequence_length=SEQ,
-                    position_embedding_type="rope")
+    return GPTModel(config=_tiny_config(**config), transformer_layer_spec=spec, vocab_size=VOCAB,
+                    max_sequence_length=SEQ, position_embedding_type="rope")
 
 
 def _shim_body():
@@ -140,3 +140,51 @@ def test_convert_rejects_models_without_attention():
         convert_model_to_hsap(torch.nn.Linear(2, 2), ContextParallelConfig())
     with pytest.raises(ValueError, match="cp_config must be a ContextParallelConfig"):
         convert_model_to_hsap(torch.nn.Linear(2, 2), "hsap")
+
+
+def _core_attention_swap_point_body():
+    """Megatron's SelfAttention.forward calls the spec's core_attention (a counting HSAPCoreAttention here), also
+    through its selective recompute, which gives the same output and gradients."""
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    from megatron_hsap.config import ContextParallelConfig
+    from megatron_hsap.megatron.attention import HSAPCoreAttention, HSAPPackedSeqParams
+    from megatron_hsap.megatron.cpu_shim import apply_cpu_shim
+    from megatron_hsap.megatron.spec import get_gpt_layer_hsap_spec
+    from megatron_hsap.parallel_state import get_cp_topology, initialize_model_parallel
+    from megatron_hsap.sequence.plan import plan_batch
+
+    calls = []
+
+    class CountingCore(HSAPCoreAttention):
+        def forward(self, *args, **kwargs):
+            calls.append(self.layer_number)
+            return super().forward(*args, **kwargs)
+
+    apply_cpu_shim()
+    cp_config = ContextParallelConfig(mode="ring")
+    initialize_model_parallel(context_parallel_size=2, cp_config=cp_config)
+    model_parallel_cuda_manual_seed(1)
+    spec = get_gpt_layer_hsap_spec(cp_config)
+    spec.submodules.self_attention.submodules.core_attention = CountingCore
+    cu = torch.tensor([0, 40, SEQ], dtype=torch.int32)
+    plan = plan_batch(cu, get_cp_topology(), "zigzag")
+    params = HSAPPackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=40,
+                                 max_seqlen_kv=40, plan=plan)
+    tokens = torch.randint(0, VOCAB, (SEQ,), generator=torch.Generator().manual_seed(3))
+    results = []
+    for config in ({}, {"recompute_granularity": "selective", "recompute_modules": ["core_attn"]}):
+        model = _gpt(spec, seed=5, **config)
+        calls.clear()
+        out = model(plan.shard(tokens).unsqueeze(0), plan.position_ids.unsqueeze(0), None, packed_seq_params=params)
+        out.float().square().sum().backward()
+        results.append((plan.unshard(out[0].detach()), [p.grad.clone() for p in model.parameters()], sorted(calls)))
+    (out, grads, plain_calls), (out_r, grads_r, recompute_calls) = results
+    assert plain_calls == [1, 2] and recompute_calls == [1, 1, 2, 2], (plain_calls, recompute_calls)
+    torch.testing.assert_close(out_r, out, rtol=0, atol=0)
+    for a, b in zip(grads_r, grads):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+
+
+def test_core_attention_is_megatrons_swap_point_also_under_selective_recompute():
+    run_distributed_fresh(_core_attention_swap_point_body, 2, timeout=240)

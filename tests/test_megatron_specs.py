@@ -157,7 +157,7 @@ def test_transformer_engine_spec_structure():
     from megatron.core.transformer.mlp import MLP
 
     from megatron_hsap.config import ContextParallelConfig
-    from megatron_hsap.megatron.attention import HSAPSelfAttention
+    from megatron_hsap.megatron.attention import HSAPCoreAttention, HSAPSelfAttention
     from megatron_hsap.megatron.sequence_chunks import TiledMLP
     from megatron_hsap.megatron.spec import get_gpt_layer_hsap_spec
 
@@ -168,7 +168,7 @@ def test_transformer_engine_spec_structure():
     assert attention.params == {"attn_mask_type": AttnMaskType.causal, "cp_config": cp_config}
     sub = attention.submodules
     assert sub.linear_qkv is te.TELayerNormColumnParallelLinear
-    assert sub.core_attention is te.TEDotProductAttention
+    assert sub.core_attention is HSAPCoreAttention
     assert sub.linear_proj is te.TERowParallelLinear
     assert sub.q_layernorm is IdentityOp and sub.k_layernorm is IdentityOp
     assert spec.submodules.input_layernorm is IdentityOp  # fused into linear_qkv

@@ -163,3 +163,17 @@ def test_hard_cases_cover_reference_section_6(cp_size):
     assert sum(cases["total_not_divisible_by_c"]) % cp_size != 0
     long_tail = cases["long_tail_sampled"]
     assert len(long_tail) >= 4 and max(long_tail) >= 3 * sorted(long_tail)[len(long_tail) // 2]
+
+
+def test_worked_mask_example_in_the_kernel_docstring_is_the_mask():
+    """The matrices in ``AttentionBlocks``' docstring are what the reference mask (and so every kernel) computes."""
+    lines = [line.strip() for line in AttentionBlocks.__doc__.splitlines()]
+    start = next(i for i, line in enumerate(lines) if line.startswith("causal, sq = 3, sk = 5"))
+    rows = [line.split() for line in lines[start + 2:] if line[:1] == "q"]
+    # three matrices side by side: causal 3x5, causal 5x3, causal + window (1, 0) 3x5
+    pictures = [[r[1:6] for r in rows[:3]], [r[7:10] if i < 3 else r[1:4] for i, r in enumerate(rows)],
+                [r[11:16] for r in rows[:3]]]
+    blocks = [[(0, 3, 0, 5, True)], [(0, 5, 0, 3, True)], [(0, 3, 0, 5, True, (1, 0))]]
+    for picture, block in zip(pictures, blocks):
+        expected = torch.tensor([[int(x) for x in row] for row in picture], dtype=torch.bool)
+        assert torch.equal(blocks_mask(block, *expected.shape), expected), (block, picture)

@@ -25,7 +25,8 @@ import torch
 import torch.distributed as dist
 
 from megatron_hsap.attention.agreement import agree_across_cp_ranks
-from megatron_hsap.attention.ring import SharedRemoteKeyValues, ring_attention_backward, ring_attention_forward
+from megatron_hsap.attention.ring import ring_attention_backward, ring_attention_forward
+from megatron_hsap.attention.shared_kv import SharedRemoteKeyValues
 from megatron_hsap.collectives import all_to_all_member, heads_to_sequence, sequence_to_heads
 from megatron_hsap.head_split import HeadSplit, Run, split_heads
 from megatron_hsap.kernels import AttentionKernel, get_kernel
@@ -83,7 +84,7 @@ def attend_runs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, runs: Tuple[R
 
     q ``[t_m, h, d]``, k/v ``[t_m, h_kv, d]``: the member's tokens of this rank's heads. Returns out
     ``[t_m, h, d]`` and lse ``[h, t_m]`` (no heads: empty, nothing posted, as on every ring peer).
-    shared: remote K/V rows kept across UPipe stages (``ring.SharedRemoteKeyValues``, its stage begun).
+    shared: remote K/V rows kept across UPipe stages (``shared_kv.SharedRemoteKeyValues``, its stage begun).
     """
     parts = []
     for q0, q1, k0, k1 in runs:

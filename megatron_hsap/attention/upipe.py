@@ -17,7 +17,7 @@ straddle their ranges) sums in the weight and input gradients. Head counts need 
 divide the Ulysses size: the all-to-alls then use uneven split sizes.
 With a ring, a stage sends over the ring only the KV heads it attends first, later
 stages reuse the received rows, and their gradients go back once, in the stage of last use
-(``ring.SharedRemoteKeyValues``): a KV head crosses the ring once per layer in each direction, as
+(``shared_kv.SharedRemoteKeyValues``): a KV head crosses the ring once per layer in each direction, as
 without head chunks.
 """
 
@@ -40,7 +40,8 @@ from megatron_hsap.attention.context_parallel import (
     fail_with_peers,
 )
 from megatron_hsap.attention.head_schedule import HeadSchedule, Stage, build_head_schedule
-from megatron_hsap.attention.ring import OP_DKV_RELAY, OP_KV_RELAY, OP_KV_RELAY_BWD, SharedRemoteKeyValues
+from megatron_hsap.attention.ring_exchange import OP_DKV, OP_DKV_RELAY, OP_KV, OP_KV_BWD, OP_KV_RELAY, OP_KV_RELAY_BWD
+from megatron_hsap.attention.shared_kv import SharedRemoteKeyValues
 from megatron_hsap.collectives import all_to_all_member
 from megatron_hsap.instrumentation.comm import CommStats, comm_stats
 from megatron_hsap.kernels import get_kernel
@@ -153,11 +154,11 @@ def predicted_stage_comm(schedule: HeadSchedule, plan: BatchPlan, head_dim: int,
         for _, recv, send in member.steps():
             if send is not None:
                 peer = send.dst_member * topo.ulysses_size + u
-                fwd[("ring_kv", where(peer))] += send.rows.num_rows * row_bytes
-                bwd[("ring_kv_bwd", where(peer))] += send.rows.num_rows * row_bytes
+                fwd[(OP_KV, where(peer))] += send.rows.num_rows * row_bytes
+                bwd[(OP_KV_BWD, where(peer))] += send.rows.num_rows * row_bytes
             if recv is not None:
-                bwd[("ring_dkv", where(recv.src_member * topo.ulysses_size + u))] += recv.num_rows * grad_row_bytes
-        for send in member.relay_sends:  # node-level K/V forwarding (ring.py's _Relays)
+                bwd[(OP_DKV, where(recv.src_member * topo.ulysses_size + u))] += recv.num_rows * grad_row_bytes
+        for send in member.relay_sends:  # node-level K/V forwarding (kv_forwarding.NodeForwarding)
             peer = send.dst_member * topo.ulysses_size + u
             fwd[(OP_KV_RELAY, where(peer))] += send.num_rows * row_bytes
             bwd[(OP_KV_RELAY_BWD, where(peer))] += send.num_rows * row_bytes

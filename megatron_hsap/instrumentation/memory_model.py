@@ -21,7 +21,7 @@ component against ``track_peak_memory`` on small configurations (within 5 %).
 
 Ring: one distance's received K/V rows, the gradients going back and those coming back are alive at once.
 With head chunks, when a KV head is attended by several stages, the rows received for it are kept from its first
-stage to its last and their gradients summed in fp32 (``ring.SharedRemoteKeyValues``: a KV head crosses the ring
+stage to its last and their gradients summed in fp32 (``shared_kv.SharedRemoteKeyValues``: a KV head crosses the ring
 once per layer), which adds the remote rows' fp32 sums and the rows of the other distances;
 ``Parallelism.remote_kv_rows`` is the rows a rank receives over the ring per layer (the plan's, e.g.
 ``sum(r.num_rows for r in plan.member_schedule().recv_steps)``; None: the worst case, every other member's tokens).
@@ -192,7 +192,10 @@ def attention_block_bytes(model: ModelShape, par: Parallelism, train: Training, 
     if ring > 1:
         remote = (ring - 1) * big_t if par.remote_kv_rows is None else par.remote_kv_rows
         row = 2 * attn * d  # k and v of the KV heads one attention call takes
-        ring_recv = 3 * min(remote, big_t) * row * e  # one distance's rows, the gradients sent and returned
+        # At the backward kernel call of distance d: one distance's rows, and from d = 2 on the return of
+        # distance d - 1 in flight (the gradients sent and the buffer they come back in); a ring of two
+        # members has one distance, whose return is allocated after its kernel call.
+        ring_recv = (1 if ring == 2 else 3) * min(remote, big_t) * row * e
         if method == "upipe" and stages > 1 and m < g_eff:  # KV heads shared by stages: rows kept, grads summed
             ring_recv += remote * row * f + (remote - min(remote, big_t)) * row * e
     kernel = 0

@@ -32,6 +32,21 @@ class AttentionBlocks:
     the causal rule. The schedule emits windowed blocks trimmed to the rows and keys the band
     reaches, so every row of such a block sees at least one key.
     All entries are Python ints so the structure is cheap to build, hash and cache.
+
+    Worked example (1 = attended), one block ``(0, sq, 0, sk)``; the last query row always lines up
+    with the last key (bottom-right alignment, as flash-attn's ``causal=True``)::
+
+        causal, sq = 3, sk = 5     causal, sq = 5, sk = 3     causal + window (1, 0), sq = 3, sk = 5
+              k0 k1 k2 k3 k4             k0 k1 k2                   k0 k1 k2 k3 k4
+          q0   1  1  1  0  0         q0   0  0  0               q0   0  1  1  0  0
+          q1   1  1  1  1  0         q1   0  0  0               q1   0  0  1  1  0
+          q2   1  1  1  1  1         q2   1  0  0               q2   0  0  0  1  1
+                                     q3   1  1  0
+                                     q4   1  1  1
+
+    In the middle matrix rows q0 and q1 see no key: their output is 0 and their LSE -inf. With the window
+    ``(left, right) = (1, 0)`` query row a sees keys ``a + sk - sq - 1 .. a + sk - sq``.
+    (``tests/test_torch_kernel.py`` checks these matrices against the reference mask.)
     """
 
     q_starts: Tuple[int, ...] = ()

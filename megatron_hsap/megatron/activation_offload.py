@@ -16,7 +16,7 @@ and counts what it moved.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Tuple, Union
+from typing import ContextManager, Tuple, Union
 
 import torch
 
@@ -59,6 +59,6 @@ class HostOffload(torch.autograd.graph.saved_tensors_hooks):
         return self
 
 
-def saved_activations_on_host(enabled: bool, device: torch.device) -> Any:
+def saved_activations_on_host(enabled: bool, device: torch.device) -> ContextManager[object]:
     """``HostOffload(device)`` when ``enabled``, else a context that does nothing."""
     return HostOffload(device) if enabled else contextlib.nullcontext()

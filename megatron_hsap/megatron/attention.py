@@ -1,17 +1,17 @@
 """HSAP self-attention for Megatron-Core: Megatron's projections, HSAP's context-parallel core.
 
-``HSAPSelfAttention`` is a Megatron ``SelfAttention`` (same submodules, parameters
-and state-dict keys) whose forward replaces the attention core: the packed
-micro-batch arrives as this rank's share of one THD token stream, laid out by a
-``BatchPlan``; rotary embeddings use the plan's in-document positions, and the
-attention itself is ``megatron_hsap.attention.context_parallel_attention``
-(ring / Ulysses / hybrid / hsap per the ``ContextParallelConfig``), which never
-lets a token attend across a document boundary. When head chunks are configured
-(``head_chunk_size`` below the local head count) the projection and attention run
-fused per chunk through UPipe (``megatron_hsap.attention.upipe``), on the local
-spec's ``ColumnParallelLinear`` and on the TransformerEngine spec's
-``TELayerNormColumnParallelLinear`` alike (its input norm is applied first, then
-the per-chunk projection from its weight).
+Megatron's ``SelfAttention`` is built from a ``ModuleSpec`` whose ``core_attention`` submodule is the swap
+point for the attention itself. ``HSAPCoreAttention`` fills it: ``context_parallel_attention``
+(ring / Ulysses / hybrid / hsap per the ``ContextParallelConfig``) over the packed micro-batch as laid
+out by a ``BatchPlan``, which never lets a token attend across a document boundary. ``HSAPSelfAttention``
+is a Megatron ``SelfAttention`` (same submodules, parameters and state-dict keys) whose forward only
+prepares what Megatron's forward cannot know, then runs Megatron's forward: the rotary tables are
+gathered at the plan's in-document positions (the tokens of a rank are not in stream order), so
+Megatron applies them row by row. Only head chunks need their own forward: when
+``head_chunk_size`` is below the local head count, the QKV projection and attention run fused
+per chunk through UPipe (``megatron_hsap.attention.upipe``), on the local spec's
+``ColumnParallelLinear`` and on the TransformerEngine spec's ``TELayerNormColumnParallelLinear``
+alike (its input norm is applied first, then the per-chunk projection from its weight).
 
 Settings of the ``TransformerConfig`` / layer spec that this path does not implement
 are rejected when the module is built (``check_hsap_attention_config``), never ignored.
@@ -28,24 +28,31 @@ import dataclasses
 import math
 import warnings
 from dataclasses import dataclass
-from typing import Any, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Optional, Tuple, Union
 
 import torch
 import torch.nn.functional as F
-from megatron.core import tensor_parallel
-from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear
-from megatron.core.transformer.attention import SelfAttention
+from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.identity_op import IdentityOp
+from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.utils import is_layer_window_attention
 
 from megatron_hsap.config import ContextParallelConfig
 
-__all__ = ["HSAPPackedSeqParams", "HSAPSelfAttention", "check_hsap_attention_config"]
+if TYPE_CHECKING:
+    from megatron.core.process_groups_config import ProcessGroupCollection
 
+    from megatron_hsap.sequence.plan import BatchPlan
+
+__all__ = ["HSAPPackedSeqParams", "HSAPCoreAttention", "HSAPSelfAttention", "check_hsap_attention_config"]
+
+#: GPTModel's rotary table ``[max_doc_len, 1, 1, d_rot]``, or one for queries and one for keys.
+RotaryTables = Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]
 #: Mask types of a causal decoder: within a packed document, bottom-right and top-left alignment coincide.
 CAUSAL_MASK_TYPES = (AttnMaskType.causal, AttnMaskType.padding_causal, AttnMaskType.causal_bottom_right)
 #: Mask types of full (bidirectional) attention inside each document; padding never takes part (the plan).
@@ -61,18 +68,77 @@ class HSAPPackedSeqParams(PackedSeqParams):
     which sizes the rotary table GPTModel builds.
     """
 
-    plan: Any = None
+    plan: Optional["BatchPlan"] = None
+
+
+def _plan_of(packed_seq_params: Optional[PackedSeqParams], who: str) -> "BatchPlan":
+    plan = getattr(packed_seq_params, "plan", None)
+    if plan is None:
+        raise ValueError(f"{who} needs packed_seq_params=HSAPPackedSeqParams(plan=...); "
+                         "got " + ("None" if packed_seq_params is None else type(packed_seq_params).__name__))
+    return plan
+
+
+class HSAPCoreAttention(MegatronModule):
+    """The ``core_attention`` submodule of an HSAP layer spec: ``context_parallel_attention`` over the plan in
+    ``packed_seq_params`` (constructor arguments: those Megatron's ``Attention`` passes to its core attention).
+
+    Causal or full attention inside each document from the mask type, Megatron's sliding window of this
+    layer (``layer_window_size``), ``softmax_scale`` or 1/sqrt(head_dim). The tokens are this rank's share
+    of the packed stream in plan order with rotary embeddings already applied (``HSAPSelfAttention``
+    gathers the tables at the plan's positions); ``attention_mask`` is ignored, document masking comes
+    from the plan.
+    """
+
+    def __init__(self, config: TransformerConfig, layer_number: int, attn_mask_type: AttnMaskType,
+                 attention_type: str = "self", attention_dropout: Optional[float] = None,
+                 softmax_scale: Optional[float] = None, cp_comm_type: Optional[str] = None,
+                 pg_collection: Optional["ProcessGroupCollection"] = None) -> None:
+        super().__init__(config=config)
+        if attention_type != "self":
+            raise ValueError(f"attention_type={attention_type!r} is not supported by HSAP attention; allowed: 'self'")
+        check_hsap_attention_config(config, attn_mask_type)
+        self.layer_number, self.attn_mask_type, self.softmax_scale = layer_number, attn_mask_type, softmax_scale
+
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                attention_mask: Optional[torch.Tensor] = None, attn_mask_type: Optional[AttnMaskType] = None,
+                attention_bias: Optional[torch.Tensor] = None,
+                packed_seq_params: Optional[PackedSeqParams] = None) -> torch.Tensor:
+        """query ``[t_local, 1, h_q/tp, d]``, key/value ``[t_local, 1, h_kv/tp, d]``: this rank's tokens in plan
+        order. Returns ``[t_local, 1, h_q/tp * d]``."""
+        from megatron_hsap.attention import context_parallel_attention
+
+        plan = _plan_of(packed_seq_params, "HSAPCoreAttention")
+        if attention_bias is not None:
+            raise NotImplementedError("attention_bias is not supported by HSAP attention")
+        if query.dim() != 4:  # Megatron's THD path would apply rotary embeddings in stream order: wrong here
+            raise ValueError(f"HSAPCoreAttention takes [t_local, 1, heads, d] from HSAPSelfAttention, got query of "
+                             f"shape {tuple(query.shape)} (use HSAPSelfAttention, get_gpt_layer_hsap_spec)")
+        if query.shape[1] != 1:
+            raise ValueError(f"HSAP attention expects one packed stream (batch dim 1), got {query.shape[1]}")
+        q, k, v = query[:, 0], key[:, 0], value[:, 0]
+        mask_type = self.attn_mask_type if attn_mask_type is None else attn_mask_type
+        causal = mask_type in CAUSAL_MASK_TYPES
+        scale = self.softmax_scale if self.softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+        out = context_parallel_attention(q, k, v, plan, causal=causal, softmax_scale=scale,
+                                         window_size=layer_window_size(self.config, self.layer_number, causal))
+        return out.reshape(out.shape[0], 1, -1)
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs) -> None:
+        """Accepts (and drops) ``_extra_state``: TransformerEngine's ``TEDotProductAttention`` saves its fp8
+        metadata there, which a checkpoint of Megatron's TE spec holds for this submodule."""
+        state_dict.pop(prefix + "_extra_state", None)
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
 
 class HSAPSelfAttention(SelfAttention):
     """Self-attention whose core is HSAP's context-parallel attention over a packed, planned batch.
 
-    Build it through ``get_gpt_layer_hsap_spec`` (param ``cp_config``) or swap it into a
-    built model with ``convert_model_to_hsap``. ``core_attention`` is still built from the
-    spec so state-dict keys match Megatron's layer specs, but the forward does not call it.
+    Build it through ``get_gpt_layer_hsap_spec`` (param ``cp_config``; its ``core_attention`` is
+    ``HSAPCoreAttention``) or swap it into a built model with ``convert_model_to_hsap``.
     """
 
-    def __init__(self, config: Any, submodules: Any, layer_number: int,
+    def __init__(self, config: TransformerConfig, submodules: SelfAttentionSubmodules, layer_number: int,
                  attn_mask_type: AttnMaskType = AttnMaskType.padding, *args: Any, cp_config: ContextParallelConfig,
                  **kwargs: Any) -> None:
         # Checked before Megatron builds anything: the same error on every rank, before any collective.
@@ -80,6 +146,7 @@ class HSAPSelfAttention(SelfAttention):
         _check_submodules_buildable(submodules)
         super().__init__(config, submodules, layer_number, attn_mask_type, *args, **kwargs)
         self.cp_config = cp_config
+        self._check_core_attention()
 
     @property
     def hsap_causal(self) -> bool:
@@ -98,9 +165,15 @@ class HSAPSelfAttention(SelfAttention):
             return self.config.softmax_scale
         return 1.0 / math.sqrt(self.hidden_size_per_attention_head)
 
+    def _check_core_attention(self) -> None:
+        if not isinstance(self.core_attention, HSAPCoreAttention):
+            raise ValueError(f"HSAPSelfAttention needs core_attention=HSAPCoreAttention in its spec, got "
+                             f"{type(self.core_attention).__name__} (build the layer with get_gpt_layer_hsap_spec or "
+                             "convert the model with convert_model_to_hsap)")
+
     def forward(self, hidden_states: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
                 key_value_states: Optional[torch.Tensor] = None, inference_context: Any = None,
-                rotary_pos_emb: Any = None, rotary_pos_cos: Optional[torch.Tensor] = None,
+                rotary_pos_emb: Optional[RotaryTables] = None, rotary_pos_cos: Optional[torch.Tensor] = None,
                 rotary_pos_sin: Optional[torch.Tensor] = None, rotary_pos_cos_sin: Optional[torch.Tensor] = None,
                 attention_bias: Optional[torch.Tensor] = None,
                 packed_seq_params: Optional[PackedSeqParams] = None, sequence_len_offset: Optional[int] = None,
@@ -109,12 +182,11 @@ class HSAPSelfAttention(SelfAttention):
 
         Returns Megatron's ``(output [same layout as hidden_states], bias)``. ``attention_mask`` is
         ignored: document masking comes from the plan. ``rotary_pos_emb`` is GPTModel's table
-        ``[max_doc_len, 1, 1, d_rot]`` indexed here by the plan's in-document positions.
+        ``[max_doc_len, 1, 1, d_rot]``, gathered here at the plan's in-document positions
+        (``[t_local, 1, 1, d_rot]``, row i for token i) so Megatron's forward applies it row by row; the
+        ``packed_seq_params`` Megatron sees therefore say ``qkv_format='sbhd'`` (one stream, batch dim 1).
         """
-        plan = getattr(packed_seq_params, "plan", None)
-        if plan is None:
-            raise ValueError("HSAPSelfAttention needs packed_seq_params=HSAPPackedSeqParams(plan=...); "
-                             "got " + ("None" if packed_seq_params is None else type(packed_seq_params).__name__))
+        plan = _plan_of(packed_seq_params, "HSAPSelfAttention")
         if inference_context is not None or inference_params is not None or key_value_states is not None:
             raise NotImplementedError("HSAPSelfAttention supports training/evaluation forward passes only "
                                       "(no KV-cache inference, no cross-attention)")
@@ -128,11 +200,15 @@ class HSAPSelfAttention(SelfAttention):
         chunk = self._head_chunk_size(plan)
         if chunk is not None:
             context = self._upipe_attention(hidden_states, plan, q_table, k_table, chunk)
-        else:
-            context = self._projected_attention(hidden_states, plan, q_table, k_table)
-        return self.linear_proj(context.reshape(context.shape[0], 1, -1))
+            return self.linear_proj(context.reshape(context.shape[0], 1, -1))
+        self._check_core_attention()
+        if q_table is not None:
+            positions = plan.position_ids_on(q_table.device)  # copied once per micro-batch, not per layer
+            rotary_pos_emb = (q_table[positions], k_table[positions])
+        return super().forward(hidden_states, attention_mask, rotary_pos_emb=rotary_pos_emb,
+                               packed_seq_params=dataclasses.replace(packed_seq_params, qkv_format="sbhd"))
 
-    def _head_chunk_size(self, plan: Any) -> Optional[int]:
+    def _head_chunk_size(self, plan: "BatchPlan") -> Optional[int]:
         """U query heads per UPipe stage when head chunks are configured and supported here, else None."""
         heads = self.num_attention_heads_per_partition
         chunk = self.cp_config.resolve_head_chunk_size(heads, plan.topology.ulysses_size)
@@ -148,31 +224,7 @@ class HSAPSelfAttention(SelfAttention):
             return None
         return chunk
 
-    def _projected_attention(self, hidden_states: torch.Tensor, plan: Any, q_table: Optional[torch.Tensor],
-                             k_table: Optional[torch.Tensor]) -> torch.Tensor:
-        """Megatron's QKV projection, RoPE at the plan's positions, then ``context_parallel_attention``.
-
-        Returns ``[t_local, h_q/tp, d]`` for this rank's tokens.
-        """
-        from megatron_hsap.attention import context_parallel_attention
-
-        query, key, value = self.get_query_key_value_tensors(hidden_states)  # [t_local, 1, h/tp, d]
-        if query.shape[1] != 1:
-            raise ValueError(f"HSAPSelfAttention expects one packed stream (batch dim 1), got {query.shape[1]}")
-        if q_table is not None:
-            positions = plan.position_ids_on(q_table.device)  # copied once per micro-batch, not per layer
-            query = apply_rotary_pos_emb(query, q_table[positions], config=self.config)
-            key = apply_rotary_pos_emb(key, k_table[positions], config=self.config)
-
-        def core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            return context_parallel_attention(q, k, v, plan, causal=self.hsap_causal,
-                                              softmax_scale=self.hsap_softmax_scale, window_size=self.hsap_window_size)
-
-        if self.checkpoint_core_attention and self.training:  # --recompute-granularity selective
-            return tensor_parallel.checkpoint(core, False, query[:, 0], key[:, 0], value[:, 0])
-        return core(query[:, 0], key[:, 0], value[:, 0])
-
-    def _upipe_attention(self, hidden_states: torch.Tensor, plan: Any, q_table: Optional[torch.Tensor],
+    def _upipe_attention(self, hidden_states: torch.Tensor, plan: "BatchPlan", q_table: Optional[torch.Tensor],
                          k_table: Optional[torch.Tensor], chunk: int) -> torch.Tensor:
         """UPipe: the fused per-head-chunk QKV projection + attention (the full-head QKV is never built).
 
@@ -212,7 +264,7 @@ class HSAPSelfAttention(SelfAttention):
             window_size=self.hsap_window_size)
 
 
-def layer_window_size(config: Any, layer_number: int, causal: bool = True) -> Optional[Tuple[int, int]]:
+def layer_window_size(config: TransformerConfig, layer_number: int, causal: bool = True) -> Optional[Tuple[int, int]]:
     """The sliding window of layer ``layer_number`` (1-based, Megatron's numbering): ``config.window_size``
     on the layers Megatron's ``is_layer_window_attention`` selects (``window_attn_skip_freq``: every N-th
     layer full, or a per-layer 0/1 list), None elsewhere; ``check_hsap_attention_config`` has already
@@ -267,7 +319,7 @@ def _input_norm(linear: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     return y.to(x.dtype)
 
 
-def _check_submodules_buildable(submodules: Any) -> None:
+def _check_submodules_buildable(submodules: SelfAttentionSubmodules) -> None:
     """A TE spec built where TransformerEngine is not installed holds Megatron's placeholders for the TE
     classes, which would "build" without an error: refuse them by name."""
     from megatron.core.extensions import transformer_engine as te_ext
@@ -283,7 +335,7 @@ def _check_submodules_buildable(submodules: Any) -> None:
                              "transformer_engine is not installed; use the local spec (--transformer-impl local)")
 
 
-def check_hsap_attention_config(config: Any, attn_mask_type: AttnMaskType = AttnMaskType.causal) -> None:
+def check_hsap_attention_config(config: TransformerConfig, attn_mask_type: AttnMaskType = AttnMaskType.causal) -> None:
     """Reject settings the HSAP attention path does not implement, with the allowed values.
 
     Called when ``HSAPSelfAttention`` is built (and by ``convert_model_to_hsap``), so a bad

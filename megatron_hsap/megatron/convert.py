@@ -1,8 +1,10 @@
 """Swap HSAP attention into an already built Megatron ``GPTModel`` (e.g. one a NeMo / Megatron-Bridge recipe built).
 
-Only the class of each ``SelfAttention`` changes; its parameters, buffers and
-submodules stay the same objects, so state-dict keys and values (and therefore
-checkpoints saved before the conversion) are unchanged.
+The class of each ``SelfAttention`` changes and its ``core_attention`` (which holds no parameters) becomes an
+``HSAPCoreAttention``; its parameters, buffers and other submodules stay the same objects, so state-dict
+keys and values (and therefore checkpoints saved before the conversion) are unchanged, except
+TransformerEngine's ``core_attention._extra_state`` (fp8 metadata of the attention no longer run), which
+``HSAPCoreAttention`` accepts and drops when loading.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ import torch
 from megatron.core.transformer.attention import SelfAttention
 
 from megatron_hsap.config import ContextParallelConfig
-from megatron_hsap.megatron.attention import HSAPSelfAttention, check_hsap_attention_config
+from megatron_hsap.megatron.attention import HSAPCoreAttention, HSAPSelfAttention, check_hsap_attention_config
 
 __all__ = ["convert_model_to_hsap"]
 
@@ -33,6 +35,10 @@ def convert_model_to_hsap(model: torch.nn.Module, cp_config: ContextParallelConf
     for module in attentions:
         if type(module) not in (SelfAttention, HSAPSelfAttention):
             raise ValueError(f"cannot convert {type(module).__name__}: only plain SelfAttention is supported")
+        if not isinstance(module.core_attention, HSAPCoreAttention):
+            module.core_attention = HSAPCoreAttention(module.config, module.layer_number, module.attn_mask_type,
+                                                      softmax_scale=module.config.softmax_scale,
+                                                      pg_collection=module.pg_collection)
         module.__class__ = HSAPSelfAttention
         module.cp_config = cp_config
     return len(attentions)

@@ -19,6 +19,7 @@ from typing import Any, List, Optional, Tuple
 
 import torch
 from megatron.core.models.gpt import GPTModel
+from torch.distributed import ProcessGroup, ReduceOp
 from megatron.core.transformer.mlp import MLP
 
 __all__ = ["TiledMLP", "HSAPGPTModel", "chunked_output_cross_entropy", "sequence_chunk_bounds"]
@@ -103,7 +104,7 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunks: int,
-                tp_group: Any) -> torch.Tensor:
+                tp_group: Optional[ProcessGroup]) -> torch.Tensor:
         s, b, _ = hidden.shape
         vocab_start = _tp_rank(tp_group) * weight.shape[0]
         acc = _acc_dtype(hidden.dtype)
@@ -152,11 +153,11 @@ def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def _tp_rank(group: Any) -> int:
+def _tp_rank(group: Optional[ProcessGroup]) -> int:
     return 0 if group is None else torch.distributed.get_rank(group)
 
 
-def _all_reduce(t: torch.Tensor, group: Any, op: Any = None) -> None:
+def _all_reduce(t: torch.Tensor, group: Optional[ProcessGroup], op: Optional[ReduceOp] = None) -> None:
     if group is not None and torch.distributed.get_world_size(group) > 1:
         torch.distributed.all_reduce(t, op=op or torch.distributed.ReduceOp.SUM, group=group)
 
@@ -170,7 +171,7 @@ def _target_logits(logits: torch.Tensor, labels: torch.Tensor, vocab_start: int)
 
 
 def chunked_output_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunks: int,
-                                 tp_group: Any = None) -> torch.Tensor:
+                                 tp_group: Optional[ProcessGroup] = None) -> torch.Tensor:
     """Per-token cross-entropy ``[b, s]`` (fp32; fp64 for fp64 inputs) of ``hidden [s, b, h]``
     (all this rank's tokens, after any sequence-parallel gather) through the vocab-parallel output weight
     ``[V/tp, h]`` with ``labels [b, s]``, ``chunks`` sequence chunks at a time: Megatron's ``output_layer``

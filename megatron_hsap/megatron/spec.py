@@ -24,10 +24,11 @@ from megatron.core.models.gpt.gpt_layer_specs import (
 )
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_hsap.config import ContextParallelConfig
 from megatron_hsap.megatron import versions
-from megatron_hsap.megatron.attention import HSAPSelfAttention
+from megatron_hsap.megatron.attention import HSAPCoreAttention, HSAPSelfAttention
 from megatron_hsap.megatron.cpu_shim import SequenceParallelTorchNorm, transformer_engine_spec_without_te
 from megatron_hsap.megatron.sequence_chunks import TiledMLP, sequence_chunk_bounds
 
@@ -96,7 +97,9 @@ def _copy_spec(node: Any) -> Any:
 
 
 def _use_hsap_attention(spec: ModuleSpec, cp_config: ContextParallelConfig) -> None:
-    """Swap Megatron's ``SelfAttention`` for ``HSAPSelfAttention`` (same submodules and params)."""
+    """Swap Megatron's ``SelfAttention`` for ``HSAPSelfAttention`` (same params, plus ``cp_config``) and its
+    ``core_attention`` (Megatron's swap point for the attention itself) for ``HSAPCoreAttention``; the
+    projections and norms stay Megatron's."""
     from megatron.core.transformer.attention import SelfAttention
 
     attention = spec.submodules.self_attention
@@ -104,7 +107,8 @@ def _use_hsap_attention(spec: ModuleSpec, cp_config: ContextParallelConfig) -> N
         raise _nothing_to_rewrite("self_attention", "ModuleSpec(module=SelfAttention, ...)", attention)
     spec.submodules.self_attention = ModuleSpec(module=HSAPSelfAttention,
                                                 params={**attention.params, "cp_config": cp_config},
-                                                submodules=attention.submodules)
+                                                submodules=dataclasses.replace(attention.submodules,
+                                                                               core_attention=HSAPCoreAttention))
 
 
 def _use_tiled_mlp(spec: ModuleSpec, chunks: int) -> None:
@@ -158,7 +162,7 @@ def _is_identity(module: Any) -> bool:
     return module is IdentityOp or (isinstance(module, ModuleSpec) and module.module is IdentityOp)
 
 
-def get_gpt_decoder_block_hsap_spec(config: Any, cp_config: ContextParallelConfig, vp_stage: Optional[int] = None,
+def get_gpt_decoder_block_hsap_spec(config: TransformerConfig, cp_config: ContextParallelConfig, vp_stage: Optional[int] = None,
                                     **layer_kwargs: Any) -> TransformerBlockSubmodules:
     """The decoder block for this pipeline stage: ``get_gpt_layer_hsap_spec`` layers plus the final norm.
 

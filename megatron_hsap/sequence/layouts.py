@@ -122,11 +122,6 @@ def zigzag_layout(doc_lengths: Sequence[int], cp_size: int,
     return table_segments(table, cp_size), tokens_per_rank
 
 
-def contiguous_layout(doc_lengths: Sequence[int], cp_size: int) -> Tuple[List[List[Segment]], int]:
-    table, tokens_per_rank = contiguous_table(doc_lengths, cp_size)
-    return table_segments(table, cp_size), tokens_per_rank
-
-
 def check_table(table: np.ndarray, doc_lengths: Sequence[int], tokens_per_rank: int) -> None:
     """Every token placed exactly once, no rank over capacity: a placement bug must fail loudly, not attend wrongly.
 

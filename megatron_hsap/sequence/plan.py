@@ -81,9 +81,6 @@ class PlanStats:
     def __getitem__(self, key: str) -> List[int]:
         return getattr(self, key)
 
-    def as_dict(self) -> Dict[str, List[int]]:
-        return {k: list(getattr(self, k)) for k in self.__dataclass_fields__}
-
     @property
     def flops_imbalance(self) -> float:
         """max / mean attention FLOPs over ranks (1.0 = perfectly balanced)."""
