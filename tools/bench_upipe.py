@@ -7,7 +7,13 @@ the block (``track_peak_memory``; the input, weights and the output gradient exi
 - ``baseline``: Megatron-style, a fused ``linear_qkv`` (F.linear over all heads), split into
   q/k/v, RoPE, then ``context_parallel_attention`` (Ulysses all-to-all + ring), autograd backward;
 - ``U = H``: ``head_chunked_attention`` with one stage (plain Ulysses through the same op);
-- every smaller valid head chunk U (a multiple of the Ulysses size dividing H).
+- every smaller valid head chunk U (a multiple of the Ulysses size dividing H);
+- ``--megatron-modules``: the same comparison through Megatron-Core's modules, what a Megatron user
+  runs: Megatron-Core's own ``SelfAttention`` (ColumnParallelLinear ``linear_qkv``, this project's
+  ``HSAPCoreAttention`` as its ``core_attention``, RowParallelLinear ``linear_proj``) against
+  ``HSAPSelfAttention`` built from ``get_gpt_layer_hsap_spec`` with head chunks of U. These rows include
+  ``linear_proj`` and the weights' bf16 ``.grad`` (Megatron's modules without DDP), so compare them with
+  each other, not with the rows above.
 
 The weight gradient is written into a preallocated fp32 ``main_grad`` (as under Megatron's DDP),
 so none of the rows includes a weight-sized gradient tensor. For every variant it also prints the ring
@@ -28,7 +34,7 @@ import os
 import socket
 import sys
 import time
-from typing import Dict, List, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -41,6 +47,7 @@ from megatron_hsap.training.quiet import quiet_rank  # noqa: E402
 quiet_rank(0)  # before Megatron-Core is imported (also in each spawned rank): its TE/Apex notices, once
 
 BASELINE = "baseline"
+MEGATRON_MODULE = "megatron-core SelfAttention"
 
 
 def _free_port() -> int:
@@ -50,6 +57,7 @@ def _free_port() -> int:
 
 
 def _rank_main(rank: int, args: argparse.Namespace, port: int, queue) -> None:
+    quiet_rank(rank)  # warnings from rank 0 only
     torch.set_num_threads(args.threads)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=args.cp,
                             timeout=datetime.timedelta(seconds=1800))
@@ -139,6 +147,76 @@ def _measure(args: argparse.Namespace) -> Dict[str, Dict[str, float]]:
                        if op.startswith("ring")) / len(stages)
         results[str(u)] = {"seconds": seconds, "peak_bytes": mem.peak_bytes, "ring_bytes_per_stage": ring,
                            "ring_bytes_per_layer": ring_layer}
+    if args.megatron_modules:
+        results.update(_measure_megatron_modules(args, plan, hidden.detach(), dout, chunks))
+    return results
+
+
+def _megatron_attention(args: argparse.Namespace, head_chunk_size: Optional[int]) -> torch.nn.Module:
+    """Megatron-Core's ``SelfAttention`` with HSAP's core attention (``head_chunk_size`` None), else
+    ``HSAPSelfAttention`` from the HSAP layer spec with head chunks of ``head_chunk_size``."""
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+    from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
+    from megatron.core.transformer.enums import AttnMaskType
+    from megatron.core.transformer.spec_utils import build_module
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from megatron_hsap.config import ContextParallelConfig
+    from megatron_hsap.megatron import get_gpt_layer_hsap_spec
+    from megatron_hsap.megatron.attention import HSAPCoreAttention
+    from megatron_hsap.megatron.cpu_shim import cpu_config_overrides
+
+    dtype = getattr(torch, args.dtype)
+    config = TransformerConfig(
+        num_layers=1, hidden_size=args.hidden or args.heads * args.head_dim, num_attention_heads=args.heads,
+        num_query_groups=args.kv_heads, kv_channels=args.head_dim, add_bias_linear=False, attention_dropout=0.0,
+        hidden_dropout=0.0, params_dtype=dtype, bf16=dtype == torch.bfloat16, gradient_accumulation_fusion=False,
+        apply_rope_fusion=False, **cpu_config_overrides())
+    torch.manual_seed(0)
+    if head_chunk_size is None:
+        submodules = SelfAttentionSubmodules(linear_qkv=ColumnParallelLinear, core_attention=HSAPCoreAttention,
+                                             linear_proj=RowParallelLinear)
+        return SelfAttention(config, submodules, layer_number=1, attn_mask_type=AttnMaskType.causal)
+    cp_config = ContextParallelConfig(mode=args.mode, ulysses_size=args.ulysses, kernel="torch",
+                                      head_chunk_size=head_chunk_size)
+    spec = get_gpt_layer_hsap_spec(cp_config).submodules.self_attention
+    return build_module(spec, config=config, layer_number=1)
+
+
+def _measure_megatron_modules(args: argparse.Namespace, plan, hidden: torch.Tensor, dout: torch.Tensor,
+                              chunks: List[int]) -> Dict[str, Dict[str, float]]:
+    """Peak bytes and ring bytes of one fwd+bwd of each Megatron-Core module variant (see the module docstring).
+
+    hidden ``[t_local, 1, hidden]``, dout ``[t_local, 1, H*d]``: this rank's tokens in plan order.
+    """
+    from megatron_hsap.instrumentation.comm import comm_stats
+    from megatron_hsap.instrumentation.memory import track_peak_memory
+    from megatron_hsap.megatron.attention import HSAPPackedSeqParams
+
+    from megatron_hsap.attention.upipe import rope_angles
+
+    positions = plan.position_ids.long()
+    table = rope_angles(torch.arange(int(positions.max()) + 1), args.head_dim)[:, None, None, :]  # GPTModel's
+    packed = HSAPPackedSeqParams(plan=plan, qkv_format="sbhd")
+    results: Dict[str, Dict[str, float]] = {}
+    for u in [None] + chunks:
+        module = _megatron_attention(args, u)
+        # Megatron's SelfAttention applies the table row by row; HSAPSelfAttention gathers it at the positions
+        rotary = table[positions] if u is None else table
+        x = hidden.clone().requires_grad_()
+        dist.barrier()
+        start = time.perf_counter()
+        before = comm_stats()
+        with track_peak_memory("cpu") as mem:
+            out, _ = module(x, None, rotary_pos_emb=rotary, packed_seq_params=packed)
+            out.backward(dout[:, :, :out.shape[-1]])  # linear_proj's output: [t_local, 1, hidden]
+            del out
+        dist.barrier()
+        ring_layer = sum(v for (op, _where), v in comm_stats().minus(before).sent.items() if op.startswith("ring"))
+        key = MEGATRON_MODULE if u is None else f"{MEGATRON_MODULE} U={u}"
+        results[key] = {"seconds": time.perf_counter() - start, "peak_bytes": mem.peak_bytes,
+                        "ring_bytes_per_stage": 0, "ring_bytes_per_layer": ring_layer}
+        del module, x
     return results
 
 
@@ -157,6 +235,9 @@ def main() -> None:
     parser.add_argument("--head-chunks", type=int, nargs="*", default=None,
                         help="the U < H to measure (default: every valid one)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    parser.add_argument("--megatron-modules", action="store_true",
+                        help="also measure Megatron-Core's SelfAttention (HSAP core attention) against "
+                             "HSAPSelfAttention with head chunks (rows include linear_proj)")
     args = parser.parse_args()
     for name in ("heads", "kv_heads", "head_dim", "tokens_per_rank", "cp", "threads"):
         if getattr(args, name) < 1:
@@ -170,19 +251,27 @@ def main() -> None:
     h = args.heads
     print(f"# H={h} H_kv={args.kv_heads} d={args.head_dim} hidden={args.hidden or h * args.head_dim} {args.dtype}; "
           f"{args.tokens_per_rank} tokens per rank on {args.cp} ranks (mode {args.mode}); fwd+bwd of one attention "
-          f"block; weight gradient into a preallocated fp32 main_grad")
+          f"block; weight gradient into a preallocated fp32 main_grad"
+          + ("; Megatron-Core module rows: linear_proj and the weights' bf16 .grad included" if args.megatron_modules
+             else ""))
     print("| rank | variant | stages | peak bytes | MiB | vs baseline | vs U=H | ring bytes sent per layer "
           "| per stage (predicted) | time s |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     rows: List[Tuple[int, str]] = [(r, k) for r in sorted(per_rank) for k in per_rank[r]]
     for rank, key in rows:
         res = per_rank[rank][key]
-        base, full = per_rank[rank][BASELINE]["peak_bytes"], per_rank[rank][str(h)]["peak_bytes"]
-        label = "Megatron-style baseline" if key == BASELINE else f"U={key}"
-        stages = "-" if key == BASELINE else str(h // int(key))
-        ring = "-" if key == BASELINE else f"{res['ring_bytes_per_stage']:,.0f}"
+        if key.startswith(MEGATRON_MODULE):  # compared with Megatron-Core's own SelfAttention (module rows)
+            base, full = per_rank[rank][MEGATRON_MODULE]["peak_bytes"], None
+            label = "Megatron-Core SelfAttention" if key == MEGATRON_MODULE else f"HSAPSelfAttention {key.split()[-1]}"
+            stages = "-" if key == MEGATRON_MODULE else str(h // int(key.split("=")[-1]))
+        else:
+            base, full = per_rank[rank][BASELINE]["peak_bytes"], per_rank[rank][str(h)]["peak_bytes"]
+            label = "Megatron-style baseline" if key == BASELINE else f"U={key}"
+            stages = "-" if key == BASELINE else str(h // int(key))
+        ring = "-" if key == BASELINE or full is None else f"{res['ring_bytes_per_stage']:,.0f}"
+        vs_full = "-" if full is None else f"{res['peak_bytes'] / full:.3f}"
         print(f"| {rank} | {label} | {stages} | {res['peak_bytes']:,} | {res['peak_bytes'] / 2**20:.1f} "
-              f"| {res['peak_bytes'] / base:.3f} | {res['peak_bytes'] / full:.3f} | {res['ring_bytes_per_layer']:,.0f} "
+              f"| {res['peak_bytes'] / base:.3f} | {vs_full} | {res['ring_bytes_per_layer']:,.0f} "
               f"| {ring} | {res['seconds']:.1f} |")
 
 
