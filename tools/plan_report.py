@@ -47,9 +47,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 from megatron_hsap.parallel_state import CPTopology  # noqa: E402
-from megatron_hsap.sequence.cost_model import CostModel, inter_node_rows_lower_bound  # noqa: E402
+from megatron_hsap.sequence.analysis import inter_node_rows_lower_bound  # noqa: E402
+from megatron_hsap.sequence.cost_model import CostModel  # noqa: E402
 from megatron_hsap.sequence.doc_lengths import (  # noqa: E402
-    cu_seqlens_from_lengths, lognormal_doc_lengths, pack_lengths, sample_doc_lengths, stdlib_doc_lengths)
+    bimodal_doc_lengths, cu_seqlens_from_lengths, lognormal_doc_lengths, pack_lengths, pareto_doc_lengths,
+    sample_doc_lengths, stdlib_doc_lengths)
 from megatron_hsap.sequence.plan import PLAN_CACHE, BatchPlan, plan_batch, validate_head_counts  # noqa: E402
 
 SIZES: Dict[str, int] = {"128K": 1 << 17, "1M": 1 << 20, "4M": 1 << 22}
@@ -58,7 +60,7 @@ LAYOUTS: Dict[str, Tuple[int, int]] = {  # (nodes, CP ranks per node)
 # Ulysses over the node's ranks + ring across nodes, a pure ring, or Ulysses pairs inside a node.
 MODES = ("hybrid", "ring", "u2")
 PLACEMENTS = ("sequence-aware", "zigzag", "contiguous")
-MIXES = ("buckets", "lognormal", "stdlib")
+MIXES = ("buckets", "lognormal", "stdlib", "bimodal", "pareto")
 DEFAULT_LAYOUTS = ("2x8", "4x8", "4x4", "8x8")
 MIB = float(1 << 20)
 # The worst attention imbalance and traffic against zigzag (summed over the batches): named, unlike the
@@ -117,6 +119,10 @@ def batch_lengths(mix: str, tokens: int, seed: int) -> List[int]:
         return sample_doc_lengths(tokens, seed=seed)
     if mix == "lognormal":
         return lognormal_doc_lengths(tokens, seed=seed)
+    if mix == "bimodal":
+        return bimodal_doc_lengths(tokens, seed=seed)
+    if mix == "pareto":
+        return pareto_doc_lengths(tokens, seed=seed)
     corpus = _DATA_LENGTHS if mix == "data" else stdlib_doc_lengths()
     return pack_lengths(corpus, tokens, offset=(seed * 7919) % len(corpus))
 
