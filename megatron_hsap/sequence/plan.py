@@ -241,7 +241,8 @@ def plan_batch(cu_seqlens: torch.Tensor, topology: CPTopology, layout: str = "zi
     """
     if not isinstance(topology, CPTopology):
         raise ValueError(f"topology must be a CPTopology, got {type(topology).__name__}")
-    key = plan_key(cu_seqlens, topology.signature(), layout, cost_model, placement)
+    with _gc_paused():  # the lengths' list and tuple: a batch of many documents would trigger collections
+        key = plan_key(cu_seqlens, topology.signature(), layout, cost_model, placement)
     data = PLAN_CACHE.get(key)
     if data is None:
         data = build_plan_data(*key)
