@@ -547,7 +547,7 @@ def _exhaustive_bisection(items: List[_Item], rooms: Tuple[int, int], targets: T
     if not fits.any():
         return None
     tau, missing, cut_length, cut_area = tau[fits], missing[fits], cut_length[fits], cut_area[fits]
-    bounds = np.minimum(_least_end(tau, missing - slack / 2), _least_end(cut_length - tau, cut_area - missing - slack / 2))
+    bounds = np.minimum(_least_end(tau, missing - 0.9 * slack), _least_end(cut_length - tau, cut_area - missing - 0.9 * slack))
     subsets, cut = pairs[fits], cuts[fits]
     best = None
     for k in np.argsort(bounds, kind="stable")[:visits].tolist():
@@ -556,7 +556,7 @@ def _exhaustive_bisection(items: List[_Item], rooms: Tuple[int, int], targets: T
         m, c = int(subsets[k]), int(cut[k])
         it, tau = items[c], int(rooms[0] - tokens[m])
         missing = targets[0] - float(areas[m])
-        for holder, length, area in ((0, tau, missing - slack / 2), (1, it.length - tau, it.area - missing - slack / 2)):
+        for holder, length, area in ((0, tau, missing - 0.9 * slack), (1, it.length - tau, it.area - missing - 0.9 * slack)):
             # The holder gets `length` tokens carrying at least `area`, the least end position possible.
             head = it.area_before(length)
             x = _horizon_for(it, length, max(float(head), area), head)
