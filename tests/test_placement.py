@@ -727,3 +727,27 @@ def test_training_never_imports_the_analysis_module() -> None:
                          env={**os.environ, "PYTHONPATH": root}, timeout=300)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip().splitlines()[-1] == "analysis False", out.stdout
+
+
+def test_exact_two_node_optimum_matches_the_brute_force() -> None:
+    """``analysis.fewest_rows_two_nodes`` (the report's exact yardstick) equals the brute force over every
+    token-to-node assignment on tiny batches, feasible or not, and never exceeds what the planner moves."""
+    rng = random.Random(1)
+    nonzero = 0
+    for _ in range(60):
+        lengths = [rng.randint(0, 9) for _ in range(rng.randint(1, 3))]
+        while sum(lengths) > 10:
+            lengths[rng.randrange(len(lengths))] //= 2
+        if not sum(lengths):
+            continue
+        node_tokens = -(-sum(lengths) // 2) + rng.choice([0, 0, 1])
+        imbalance = rng.choice([1.0, 1.02, 1.1, 1.25, 1.5, 2.0])
+        best = analysis_module.fewest_rows_two_nodes(lengths, node_tokens, imbalance)
+        assert best == _fewest_rows_by_brute_force(lengths, 2, node_tokens, imbalance), (lengths, node_tokens)
+        nonzero += bool(best)
+    assert nonzero >= 10
+    lengths = [9, 3, 7, 1, 2, 6]  # 28 tokens, 2 nodes of one rank: the plan within its own balance moves no less
+    stats = plan_batch(cu_seqlens_from_lengths(lengths), CPTopology.offline(2, 1, 1), "sequence-aware").stats(
+        1, 1, 1, torch.float32)
+    best = analysis_module.fewest_rows_two_nodes(lengths, 14, max(1.02, stats.flops_imbalance))
+    assert best is not None and sum(stats.recv_bytes_inter_forwarded) // 8 >= best

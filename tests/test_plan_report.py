@@ -179,3 +179,8 @@ def test_tight_balance_is_a_report_option(report, capsys) -> None:
     assert inter["traffic"] < inter["tight"], inter
     with pytest.raises(SystemExit):
         report.main(["--balance", "loose"])
+
+
+def test_exact_yardstick_on_small_batches(report) -> None:
+    (line,) = report.exact(4, 32, 0)
+    assert line.startswith("exact: 4 batches of 32 tokens on 2 nodes, attention <= 1.02: plan / optimum worst ")

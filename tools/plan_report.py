@@ -55,7 +55,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 from megatron_hsap.parallel_state import CPTopology  # noqa: E402
-from megatron_hsap.sequence.analysis import inter_node_rows_lower_bound  # noqa: E402
+from megatron_hsap.sequence.analysis import fewest_rows_two_nodes, inter_node_rows_lower_bound  # noqa: E402
 from megatron_hsap.sequence.cost_model import CostModel  # noqa: E402
 from megatron_hsap.sequence.doc_lengths import (  # noqa: E402
     bimodal_doc_lengths, cu_seqlens_from_lengths, lognormal_doc_lengths, pack_lengths, pareto_doc_lengths,
@@ -279,6 +279,42 @@ def scaling(layouts: Sequence[str], modes: Sequence[str], model: CostModel, repe
     return lines
 
 
+def exact(batches: int, tokens: int, seed: int, config: Optional[PlacementConfig] = None) -> List[str]:
+    """The sequence-aware plan against the exact optimum (``analysis.fewest_rows_two_nodes``) on small batches:
+    ``batches`` batches of ``tokens`` tokens (a bimodal mix scaled down: 90 % of the documents 1-6 tokens, 10 %
+    tokens / 8 to tokens / 2), two nodes of one CP rank each, at the attention target (or the plan's balance, where
+    the batch is too coarse for it) and the node token capacity."""
+    import random
+
+    config = config or PlacementConfig()
+    topo = CPTopology.offline(2, 1, 1)
+    ratios, zero_both, over, loose = [], 0, 0, 0
+    for b in range(batches):
+        rng = random.Random(seed + b)
+        lengths: List[int] = []
+        while sum(lengths) < tokens:
+            n = rng.randint(tokens // 8, tokens // 2) if rng.random() < 0.1 else rng.randint(1, 6)
+            lengths.append(min(n, tokens - sum(lengths)))
+        plan = plan_batch(cu_seqlens_from_lengths(lengths), topo, "sequence-aware", placement=config)
+        stats = plan.stats(1, 1, 1, torch.float32)
+        rows = sum(stats.recv_bytes_inter_forwarded) // 8  # k and v, one head of 1 fp32
+        # Batches this small may not admit the target: then against the optimum at the balance the plan reached.
+        loose += stats.flops_imbalance > config.attention_target
+        best = fewest_rows_two_nodes(lengths, plan.tokens_per_rank, max(config.attention_target, stats.flops_imbalance))
+        if best is None or rows < best:
+            raise AssertionError(f"batch {lengths}: the plan moves {rows} rows, below the optimum {best}")
+        if best == 0:
+            zero_both += rows == 0
+            over += rows > 0
+        else:
+            ratios.append(rows / best)
+    within = sum(r <= 1.10 for r in ratios)
+    return [f"exact: {batches} batches of {tokens} tokens on 2 nodes, attention <= {config.attention_target}: plan / "
+            f"optimum worst {max(ratios, default=1.0):.3f}, mean {statistics.mean(ratios) if ratios else 1.0:.3f}; "
+            f"within 1.10 x on {within} of {len(ratios)} with a nonzero optimum; optimum 0: plan 0 on {zero_both}, "
+            f"more on {over}; {loose} plan(s) above the target, each against the optimum at its own balance"]
+
+
 def format_table(rows: Sequence[Row], times: bool = True) -> str:
     """The table (``times=False``: planning times shown as "-", so that the output is deterministic)."""
     head = ("| mix | tokens | layout | mode | placement | docs | attn imb worst | attn imb med | tok imb worst "
@@ -456,6 +492,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--scaling", action="store_true",
                         help="instead of the table: sequence-aware planning time against the document count "
                              "(10^3-10^5 short documents, 2^20 one-token documents) per layout and mode")
+    parser.add_argument("--exact", type=int, default=0, metavar="BATCHES",
+                        help="instead of the table: the plan against the exact optimum on this many small batches "
+                             "(--exact-tokens each, 2 nodes)")
+    parser.add_argument("--exact-tokens", type=int, default=48, help="tokens per --exact batch")
     parser.add_argument("--no-times", action="store_true",
                         help="print planning times as '-' and leave out their verdicts: deterministic output "
                              "(what tools/check_docs.py compares)")
@@ -473,6 +513,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             parser.error("--mixes data needs --data-path")
         _DATA_LENGTHS[:] = dataset_doc_lengths(args.data_path)
     model = CostModel()
+    if args.exact:
+        for line in exact(args.exact, args.exact_tokens, args.seed, PlacementConfig(balance=args.balance)):
+            print(line)
+        return 0
     if args.scaling:
         for line in scaling(args.layouts, args.modes, model, args.repeats, PlacementConfig(balance=args.balance)):
             print(line)

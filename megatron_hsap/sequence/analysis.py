@@ -16,7 +16,7 @@ import numpy as np
 
 from megatron_hsap.sequence.cost_model import causal_area
 
-__all__ = ["inter_node_rows_lower_bound"]
+__all__ = ["fewest_rows_two_nodes", "inter_node_rows_lower_bound"]
 
 
 def _rows_for_area(area: float) -> int:
@@ -279,3 +279,74 @@ def _capacity_horizon(d: int, k: int, lengths: Sequence[int], num_nodes: int, no
         mid = (lo + hi) // 2
         lo, hi = (lo, mid) if excess(mid) <= 0 else (mid, hi)
     return hi
+
+
+def fewest_rows_two_nodes(doc_lengths: Sequence[int], node_tokens: int, imbalance: float = 1.0) -> Optional[int]:
+    """The exact fewest key/value rows crossing between two nodes over every placement whose nodes hold at most
+    ``node_tokens`` tokens and at most ``imbalance`` times the mean causal attention area; None when none does.
+    For small batches (the work grows with the tokens times the area): the yardstick of ``tools/plan_report.py
+    --exact``.
+
+    With two nodes a document is whole on one node, or one node (the one without its last token) holds a set S
+    of its positions and moves ``max(S) + 1`` rows (the horizon formula). For a horizon x and |S| = t the area
+    of S (a position's area is its position + 1) takes every integer between x + t (t - 1) / 2 (the lowest
+    positions) and x + (t - 1)(2x - t) / 2 (the highest below x - 1): a dynamic programme over the documents,
+    the least rows per (tokens, area) of the first node, each option a range-minimum over an area window."""
+    lengths = [int(n) for n in doc_lengths if n]
+    total_tokens = sum(lengths)
+    total_area = sum(causal_area(0, n) for n in lengths)
+    if node_tokens * 2 < total_tokens:
+        return None
+    inf = np.iinfo(np.int64).max // 4
+    best = np.full((node_tokens + 1, total_area + 1), inf, dtype=np.int64)  # [tokens on node 0, its area]
+    best[0, 0] = 0
+    for n in lengths:
+        area_n = causal_area(0, n)
+        # Sparse table of range minima along the area axis: levels[k][:, a] = min(best[:, a : a + 2**k]).
+        levels = [best]
+        while (1 << len(levels)) <= total_area + 1:
+            half = 1 << (len(levels) - 1)
+            prev = levels[-1]
+            nxt = prev.copy()
+            nxt[:, :-half] = np.minimum(prev[:, :-half], prev[:, half:])
+            levels.append(nxt)
+
+        def window_min(lo: int, hi: int) -> np.ndarray:
+            """For every area a: min(best[:, a - hi .. a - lo]) (inf where the window is empty)."""
+            out = np.full_like(best, inf)
+            start = max(0, lo)  # target a >= lo, window start a - hi (clipped at 0)
+            a = np.arange(start, total_area + 1)
+            first = a - hi
+            clipped = np.maximum(first, 0)
+            last = a - lo  # inclusive
+            span = last - clipped + 1
+            ks = np.floor(np.log2(np.maximum(span, 1))).astype(np.int64)
+            for kk in np.unique(ks):
+                sel = ks == kk
+                table = levels[int(kk)]
+                left = table[:, clipped[sel]]
+                right = table[:, last[sel] - (1 << int(kk)) + 1]
+                out[:, a[sel]] = np.minimum(left, right)
+            return out
+
+        new = best.copy()  # whole on node 1
+        if n <= node_tokens:  # whole on node 0
+            new[n:, area_n:] = np.minimum(new[n:, area_n:], best[:node_tokens + 1 - n, :total_area + 1 - area_n])
+        for x in range(1, n):
+            for t in range(1, x + 1):
+                lo, hi = x + t * (t - 1) // 2, x + (t - 1) * (2 * x - t) // 2
+                for tokens, a_lo, a_hi in ((t, lo, hi), (n - t, area_n - hi, area_n - lo)):  # node 0 holds S / the rest
+                    if tokens > node_tokens:
+                        continue
+                    moved = window_min(a_lo, a_hi)
+                    shifted = np.full_like(best, inf)
+                    shifted[tokens:] = moved[:node_tokens + 1 - tokens] + x
+                    np.minimum(new, shifted, out=new)
+        best = new
+    cap = imbalance * total_area / 2
+    lo_tokens = total_tokens - node_tokens
+    areas = np.arange(total_area + 1)
+    ok = (areas <= cap + 1e-9) & (total_area - areas <= cap + 1e-9)
+    rows = best[max(0, lo_tokens):min(node_tokens, total_tokens) + 1][:, ok]
+    value = int(rows.min()) if rows.size else inf
+    return None if value >= inf else value
