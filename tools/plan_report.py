@@ -38,6 +38,10 @@ the balance target can meet it; the 0.20 x TE ring target when the table's bound
     .venv/bin/python tools/plan_report.py --layouts 2x8 --modes ring hybrid u2 --batches 100   # big sweep
     .venv/bin/python tools/plan_report.py --batches 100 --repeats 3   # planning times without the machine's load
     .venv/bin/python tools/plan_report.py --mixes stdlib --layouts 2x8 --plot traffic.png
+    .venv/bin/python tools/plan_report.py --no-times            # deterministic output (planning times as "-")
+    .venv/bin/python tools/plan_report.py --balance tight       # the placement balanced first
+    .venv/bin/python tools/plan_report.py --exact 20            # the plan against the exact optimum, small batches
+    .venv/bin/python tools/plan_report.py --scaling             # planning time against the document count
 """
 
 from __future__ import annotations
