@@ -29,14 +29,20 @@ class PlacementConfig:
     ``tokens_per_rank`` tokens (tail padding only on the last ranks), so it holds at 1.0 (plan_report checks it).
 
     The knobs (docs/sequence_aware.md, "Recursive bisection", names the step of each):
-    heavy: items above this fraction of the smaller side's target are placed one by one, the rest dealt as a window.
-    short / short_tokens: between nodes, a heavy item of at most this fraction of the smaller side's tokens, or of
-    at most this many tokens, is never cut. tiny: the shortest items holding this fraction of a bisection's
-    tokens are shared in proportion to the rooms. exchange: items considered when exchanging a few to close a
-    token gap. slack: a side may miss its target by this fraction in ``"tight"`` mode (and inside nodes).
-    rounds_between_nodes / rounds_inside_node: scans of the piece size when cutting. exhaustive: between nodes,
-    bisections of at most this many items try every subset; visits: cuts of least lower bound whose exact rows
-    they compute. reopened: documents cut by the greedy steps between nodes plus shortest items searched again.
+    heavy: items above this fraction of the smaller side's target are placed one by one, the rest dealt as a window
+    (whose area error is at most about one such item). short / short_tokens: between nodes, a heavy item of at most
+    this fraction of the smaller side's tokens, or of at most this many tokens, is never cut (the light phase fills
+    rooms exactly by choosing and exchanging items; such a cut would buy nearly no balance). tiny: the shortest
+    items holding this fraction of a bisection's tokens are shared in proportion to the rooms. exchange: items
+    considered (shortest first) when exchanging a few to close a token gap. slack: a side may miss its target by
+    this fraction in ``"tight"`` mode and inside nodes (the rest of the hierarchy adds its own error).
+    rounds_between_nodes / rounds_inside_node: scans of the piece size when cutting (coarse, then refined around
+    the best): between nodes every row saved is inter-node traffic; inside a node one coarse scan costs a few more
+    intra-node rows at a fraction of the planning time. exhaustive: between nodes, bisections of at most this many
+    items try every subset (fewer gave back most of the rows it saves); visits: cuts of least lower bound whose
+    exact rows they compute. reopened: documents cut by the greedy steps between nodes plus the shortest items,
+    this many in all, searched again over every subset (10 and 12 saved no more rows at up to twice the planning
+    time). docs/sequence_aware.md quotes the tools/plan_report.py runs behind these choices.
     """
 
     balance: str = "traffic"
