@@ -93,7 +93,7 @@ def test_plan_times_take_each_batchs_fastest_round(report, monkeypatch) -> None:
     clock = {"now": 0.0}
     planned = []
 
-    def fake_plan(cu, topo, layout, cost_model):
+    def fake_plan(cu, topo, layout, cost_model, placement=None):
         planned.append(int(cu[-1]))
         clock["now"] += next(charges) / 1e3
         return ("plan", len(planned))
@@ -149,3 +149,38 @@ def test_the_users_own_dataset_is_a_mix(report, capsys, tmp_path) -> None:
     with pytest.raises(SystemExit):
         report.main(["--mixes", "data"])
     assert "--mixes data needs --data-path" in capsys.readouterr().err
+
+
+def test_te_ring_passes_whole_blocks_for_r_minus_1_steps(report) -> None:
+    """TransformerEngine's ring: every member's whole K/V block goes round for R - 1 steps, so a pure ring of 2 x 4
+    crosses the 2 node boundaries 7 times per layer with blocks of tokens_per_rank rows (8 KV heads, head_dim 128,
+    bf16: 4 KiB a row); the needed-rows zigzag moves exactly 3/4 of that ring in a hybrid layout."""
+    ring = report.topology("2x4", "ring")
+    assert report.te_ring_bytes(1024, ring, report.CostModel()) == 7 * 2 * 128 * 4096
+    hybrid = report.topology("4x4", "hybrid")  # 4 members, each its node: every step's 4 sends cross nodes
+    assert report.te_ring_bytes(1 << 20, hybrid, report.CostModel()) == 3 * 4 * (1 << 18) * 4096
+    rows = list(report.run(["bimodal"], ["128K"], ["4x4"], ["hybrid"], 1, 0, report.CostModel()))
+    zigzag = next(r for r in rows if r.placement == "zigzag")
+    assert zigzag.vs_te_ring == pytest.approx(0.75, abs=1e-3)
+    seq = rows[0]
+    assert seq.bound_vs_te_ring <= seq.vs_te_ring  # the bound at the attention target holds for the plan
+
+
+def test_tight_balance_is_a_report_option(report, capsys) -> None:
+    """--balance tight plans the sequence-aware rows balanced first: on a bimodal batch at 2 x 8 more bytes cross
+    nodes than with the default (the slack spent on traffic), both within the attention target."""
+    inter = {}
+    for balance in ("tight", "traffic"):
+        assert report.main(["--mixes", "bimodal", "--sizes", "1M", "--layouts", "2x8", "--batches", "1",
+                            "--balance", balance]) == 0
+        seq = _table_rows(capsys.readouterr().out)[0]
+        assert seq[4] == "sequence-aware" and float(seq[6]) <= 1.02
+        inter[balance] = float(seq[9])
+    assert inter["traffic"] < inter["tight"], inter
+    with pytest.raises(SystemExit):
+        report.main(["--balance", "loose"])
+
+
+def test_exact_yardstick_on_small_batches(report) -> None:
+    (line,) = report.exact(4, 32, 0)
+    assert line.startswith("exact: 4 batches of 32 tokens on 2 nodes, attention <= 1.02: plan / optimum worst ")

@@ -50,22 +50,46 @@ def sample_doc_lengths(total_tokens: int, seed: int = 0, max_doc_len: Optional[i
     return lengths
 
 
+def _packed(total_tokens: int, draw) -> List[int]:
+    """Lengths ``draw()`` (each >= 1) until ``total_tokens`` are packed; the last one cut to fit."""
+    if total_tokens < 0:
+        raise ValueError(f"total_tokens={total_tokens} must be >= 0")
+    lengths: List[int] = []
+    remaining = total_tokens
+    while remaining > 0:
+        n = min(max(1, draw()), remaining)
+        lengths.append(n)
+        remaining -= n
+    return lengths
+
+
 def lognormal_doc_lengths(total_tokens: int, seed: int = 0, median: int = 3000, sigma: float = 1.5) -> List[int]:
     """Document lengths that pack exactly ``total_tokens`` tokens, log-normally distributed (``median``, ``sigma``
     of the log); the last document is cut so the lengths sum to ``total_tokens``."""
-    if total_tokens < 0:
-        raise ValueError(f"total_tokens={total_tokens} must be >= 0")
     if median < 1 or not sigma > 0:
         raise ValueError(f"median={median} must be >= 1 and sigma={sigma} > 0")
     rng = random.Random(seed)
     mu = math.log(median)
-    lengths: List[int] = []
-    remaining = total_tokens
-    while remaining > 0:
-        n = min(max(1, int(rng.lognormvariate(mu, sigma))), remaining)
-        lengths.append(n)
-        remaining -= n
-    return lengths
+    return _packed(total_tokens, lambda: int(rng.lognormvariate(mu, sigma)))
+
+
+def bimodal_doc_lengths(total_tokens: int, seed: int = 0, long_fraction: float = 0.1,
+                        short: Tuple[int, int] = (200, 2000), long: Tuple[int, int] = (1 << 16, 1 << 19)) -> List[int]:
+    """Document lengths that pack exactly ``total_tokens`` tokens: a fraction ``long_fraction`` of the documents
+    uniform in ``long`` (64K-512K tokens), the others uniform in ``short`` (200-2,000); the last one cut."""
+    if not 0.0 <= long_fraction <= 1.0:
+        raise ValueError(f"long_fraction={long_fraction} must be in [0, 1]")
+    rng = random.Random(seed)
+    return _packed(total_tokens, lambda: rng.randint(*(long if rng.random() < long_fraction else short)))
+
+
+def pareto_doc_lengths(total_tokens: int, seed: int = 0, alpha: float = 1.1, minimum: int = 256) -> List[int]:
+    """Document lengths that pack exactly ``total_tokens`` tokens, Pareto distributed (shape ``alpha``, scale
+    ``minimum`` tokens: P(length > x) = (minimum / x) ** alpha); the last one cut."""
+    if minimum < 1 or not alpha > 0:
+        raise ValueError(f"minimum={minimum} must be >= 1 and alpha={alpha} > 0")
+    rng = random.Random(seed)
+    return _packed(total_tokens, lambda: int(min(minimum * rng.paretovariate(alpha), total_tokens)))
 
 
 def stdlib_doc_lengths() -> List[int]:

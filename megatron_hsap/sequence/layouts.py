@@ -21,11 +21,64 @@ cost 25-45 ms a batch).
 
 from __future__ import annotations
 
-from typing import List, Sequence, Tuple
+from typing import TYPE_CHECKING, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
+if TYPE_CHECKING:
+    from megatron_hsap.parallel_state import CPTopology
+    from megatron_hsap.sequence.cost_model import CostModel
+    from megatron_hsap.sequence.placement_config import PlacementConfig
+
 Segment = Tuple[int, int, int]  # (doc_index, doc_start, doc_end): tokens [doc_start, doc_end) of one document
+
+
+class Layout:
+    """One layout: its name and how it places a batch (``table``); ``plan_batch`` looks it up in ``LAYOUT_TABLES``."""
+
+    name: str = ""
+    #: Whether ``cost_model`` and ``placement`` change the table (when not, the plan cache key drops them).
+    configurable: bool = False
+
+    def table(self, doc_lengths: Tuple[int, ...], topology: "CPTopology", cost_model: Optional["CostModel"],
+              placement: Optional["PlacementConfig"]) -> Tuple[np.ndarray, int]:
+        """Segment table (int64 ``[n, 4]`` rows ``(cp_rank, doc, doc_start, doc_end)``) and ``tokens_per_rank``."""
+        raise NotImplementedError
+
+
+class ZigzagLayout(Layout):
+    name = "zigzag"
+
+    def table(self, doc_lengths, topology, cost_model, placement):
+        return zigzag_table(doc_lengths, topology.cp_size, topology.ulysses_size)
+
+
+class ContiguousLayout(Layout):
+    name = "contiguous"
+
+    def table(self, doc_lengths, topology, cost_model, placement):
+        return contiguous_table(doc_lengths, topology.cp_size)
+
+
+class SequenceAwareLayout(Layout):
+    name = "sequence-aware"
+    configurable = True
+
+    def table(self, doc_lengths, topology, cost_model, placement):
+        from megatron_hsap.sequence.placement import sequence_aware_table  # imported by the first plan that uses it
+
+        nodes = topology.node_of_cp_rank
+        members_on_node0 = sum(1 for m in range(topology.ring_size) if nodes[m * topology.ulysses_size] == nodes[0])
+        tokens_per_rank = -(-sum(doc_lengths) // topology.cp_size)
+        table = sequence_aware_table(doc_lengths, ring_size=topology.ring_size, ulysses_size=topology.ulysses_size,
+                                     ring_members_per_node=members_on_node0, tokens_per_rank=tokens_per_rank,
+                                     cost_model=cost_model, placement=placement)
+        return table, tokens_per_rank
+
+
+#: The layouts by name (``config.LAYOUTS`` lists the same names).
+LAYOUT_TABLES: Dict[str, Layout] = {layout.name: layout
+                                    for layout in (ZigzagLayout(), ContiguousLayout(), SequenceAwareLayout())}
 
 
 def split_streams(member: np.ndarray, doc: np.ndarray, start: np.ndarray, end: np.ndarray, ulysses_size: int,

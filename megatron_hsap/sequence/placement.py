@@ -48,6 +48,7 @@ import numpy as np
 
 from megatron_hsap.sequence.cost_model import CostModel, causal_area
 from megatron_hsap.sequence.layouts import Segment, split_streams, table_segments
+from megatron_hsap.sequence.placement_config import PlacementConfig
 
 __all__ = ["sequence_aware_placement", "sequence_aware_table"]
 
@@ -55,33 +56,8 @@ Ranges = Tuple[Tuple[int, int], ...]  # disjoint, increasing in-document ranges 
 _doc_of, _key_of = attrgetter("doc"), attrgetter("key")
 _length_of, _area_of = attrgetter("length"), attrgetter("area")
 
-# Items whose area is above this fraction of the smaller side's target are placed one by one (step 3);
-# the others are dealt as a window (step 4), whose area error is at most about one such item.
-_HEAVY = 0.001
-# Between nodes, a heavy item of at most this fraction of the smaller side's tokens is never cut: when it fits
-# neither side whole it joins the light items, whose phase fills rooms exactly by choosing and exchanging items.
-_SHORT = 0.02
-# ... and neither is a document of at most this many tokens (whose cut would buy nearly no balance).
-_SHORT_TOKENS = 64
-# The shortest items holding this fraction of a bisection's tokens are shared in proportion to the sides' rooms.
-_TINY = 0.02
-# Items considered (shortest first) when exchanging a few to close a token gap exactly.
-_EXCHANGE = 48
-# A side may miss its attention target by this fraction (the rest of the hierarchy adds its own error).
-_SLACK = 0.001
-# Scans of the piece size when cutting (coarse, then refined twice around the best): between nodes every
-# row saved is inter-node traffic; inside a node one coarse scan costs a few more intra-node rows at a fraction of the
-# planning time (docs/sequence_aware.md quotes tools/plan_report.py).
-_ROUNDS_BETWEEN_NODES, _ROUNDS_INSIDE_NODE = 3, 1
-# Between nodes, bisections of at most this many items try every subset (``_exhaustive_bisection``; fewer gave back
-# most of the rows it saves, see docs/sequence_aware.md and tools/plan_report.py).
-_EXHAUSTIVE = 12
-# ... and compute the exact rows of at most this many cuts, those of least lower bound (exact for whole documents).
-_VISITS = 32
-# After the greedy steps between nodes, the documents they cut and the shortest items, this many in all, are searched
-# again over every subset (``_reopened``; 10 and 12 saved no more rows over 12 batches of
-# lognormal and stdlib at 4 x 8 and 8 x 8, at up to twice the planning time).
-_REOPENED = 8
+# The tuning constants and targets are fields of ``PlacementConfig`` (placement_config.py), documented there and in
+# docs/sequence_aware.md.
 
 
 class _Item:
@@ -267,15 +243,17 @@ class _Bisection:
     """Two sides (0 = left, 1 = right) filled from one pool; see the module docstring."""
 
     def __init__(self, items: List[_Item], rooms: Tuple[int, int], targets: Tuple[float, float],
-                 rounds: int) -> None:
-        self.rounds = rounds
+                 config: PlacementConfig, between_nodes: bool, slack: Optional[float] = None) -> None:
+        self.config = config
+        self.rounds = config.rounds_between_nodes if between_nodes else config.rounds_inside_node
         self.pool = _Pool(sorted(items, key=_key_of))
         self.room = list(rooms)
         self.missing = [float(t) for t in targets]
         self.out: List[List[_Item]] = [[], []]
         self.cut: set = set()  # documents cut here: the only ones of which a side can hold several pieces
-        # A side may end this far from its target: documents are not cut for a smaller gain.
-        self.slack = _SLACK * min(targets) + 1e-5 * (sum(targets) + 1.0)
+        # A side may end this far from its target (``slack``: a fraction of the smaller side's target, default
+        # ``config.slack``): documents are not cut for a smaller gain.
+        self.slack = (config.slack if slack is None else slack) * min(targets) + 1e-5 * (sum(targets) + 1.0)
 
     def feasible(self, side: int, i: int, tokens: int, area: float) -> bool:
         """Whether ``side`` can still meet its target after taking (tokens, area), filled from ``items[i:]``."""
@@ -380,7 +358,7 @@ class _Bisection:
         # The shortest items (2 % of the tokens) are shared in proportion to the rooms: both sides keep short
         # documents for filling their bins exactly at the next level.
         total, tiny, t = pool.size(i), 0, n
-        while t > i + 1 and tiny + lengths[t - 1] <= _TINY * total:
+        while t > i + 1 and tiny + lengths[t - 1] <= self.config.tiny * total:
             t -= 1
             tiny += lengths[t]
         shares = [0, 0]
@@ -418,7 +396,7 @@ class _Bisection:
                         break
         if gap:  # or exchange items: one or two untaken ones in, one or two taken ones out, `gap` tokens more
             gap = _exchange([m for m in range(i, n) if taken[m]], [m for m in range(i, n) if not taken[m]],
-                            lengths, taken, gap)
+                            lengths, taken, gap, self.config.exchange)
         cut = None
         if gap:  # no combination fits: cut the shortest item left that is longer than the gap
             cut = next(m for m in range(n - 1, i - 1, -1) if not taken[m] and lengths[m] > gap)
@@ -475,13 +453,14 @@ class _Bisection:
                 break
 
 
-def _exchange(inside: List[int], outside: List[int], lengths: List[int], taken: List[bool], gap: int) -> int:
+def _exchange(inside: List[int], outside: List[int], lengths: List[int], taken: List[bool], gap: int,
+              limit: int) -> int:
     """Swap the shortest few items so that ``taken`` gains exactly ``gap`` tokens: u - t, u1 + u2 - t or
     u - t1 - t2 = gap (u: items not taken, t: taken; ``inside`` / ``outside``: increasing indices of the taken /
-    untaken items). Returns the gap left (0 on success)."""
+    untaken items; ``limit``: the shortest this many of each are considered). Returns the gap left (0 on success)."""
     # Stable sorts of increasing indices by length: (length, index) order.
-    inside = sorted(inside, key=lengths.__getitem__)[:_EXCHANGE]
-    outside = sorted(outside, key=lengths.__getitem__)[:_EXCHANGE]
+    inside = sorted(inside, key=lengths.__getitem__)[:limit]
+    outside = sorted(outside, key=lengths.__getitem__)[:limit]
     by_length: dict = {}
     for m in inside:
         by_length.setdefault(lengths[m], []).append(m)
@@ -530,7 +509,7 @@ def _subset_masks(n: int) -> Tuple[np.ndarray, np.ndarray]:
 
 
 def _exhaustive_bisection(items: List[_Item], rooms: Tuple[int, int], targets: Tuple[float, float],
-                          slack: float) -> Optional[List[List[_Item]]]:
+                          slack: float, visits: int = PlacementConfig.visits) -> Optional[List[List[_Item]]]:
     """The cheapest split of a few items with at most one cut, over every subset of whole items for the left
     side (one item per document on each side); None when none is within ``slack`` of the targets.
 
@@ -540,7 +519,7 @@ def _exhaustive_bisection(items: List[_Item], rooms: Tuple[int, int], targets: T
     counts, a bisection of few items is small enough to try all ``2**n`` subsets: tokens and areas of all
     subsets at once (numpy), then for each item the subsets it would complete by a cut, feasible when the
     missing area lies between the area of its first and last ``tau`` tokens; candidates are visited by a lower
-    bound on their rows (``_least_end``, exact for a whole document; at most ``_VISITS``), stopping at the best."""
+    bound on their rows (``_least_end``, exact for a whole document; at most ``visits``), stopping at the best."""
     items = sorted(items, key=_doc_of)  # ties between subsets go to the same one whatever the items' order
     n = len(items)
     masks, outside = _subset_masks(n)
@@ -568,16 +547,16 @@ def _exhaustive_bisection(items: List[_Item], rooms: Tuple[int, int], targets: T
     if not fits.any():
         return None
     tau, missing, cut_length, cut_area = tau[fits], missing[fits], cut_length[fits], cut_area[fits]
-    bounds = np.minimum(_least_end(tau, missing - slack / 2), _least_end(cut_length - tau, cut_area - missing - slack / 2))
+    bounds = np.minimum(_least_end(tau, missing - 0.9 * slack), _least_end(cut_length - tau, cut_area - missing - 0.9 * slack))
     subsets, cut = pairs[fits], cuts[fits]
     best = None
-    for k in np.argsort(bounds, kind="stable")[:_VISITS].tolist():
+    for k in np.argsort(bounds, kind="stable")[:visits].tolist():
         if best is not None and bounds[k] >= best[0]:
             break
         m, c = int(subsets[k]), int(cut[k])
         it, tau = items[c], int(rooms[0] - tokens[m])
         missing = targets[0] - float(areas[m])
-        for holder, length, area in ((0, tau, missing - slack / 2), (1, it.length - tau, it.area - missing - slack / 2)):
+        for holder, length, area in ((0, tau, missing - 0.9 * slack), (1, it.length - tau, it.area - missing - 0.9 * slack)):
             # The holder gets `length` tokens carrying at least `area`, the least end position possible.
             head = it.area_before(length)
             x = _horizon_for(it, length, max(float(head), area), head)
@@ -601,25 +580,27 @@ def _exhaustive_bisection(items: List[_Item], rooms: Tuple[int, int], targets: T
 
 
 def _bisect_items(items: List[_Item], rooms: Tuple[int, int], targets: Tuple[float, float],
-                  between_nodes: bool) -> List[List[_Item]]:
+                  between_nodes: bool, config: PlacementConfig = PlacementConfig(),
+                  slack: Optional[float] = None) -> List[List[_Item]]:
     """Split ``items`` into two sides of exactly ``rooms`` tokens whose areas approach ``targets``.
-    ``between_nodes``: the sides are groups of nodes, so short documents are not cut (inter-node traffic)."""
+    ``between_nodes``: the sides are groups of nodes, so short documents are not cut (inter-node traffic).
+    ``slack``: how far (a fraction of the smaller target) a side may miss its target; default ``config.slack``."""
     if rooms[1] == 0:
         return [items, []]
     if rooms[0] == 0:
         return [[], items]
-    state = _Bisection(items, rooms, targets, _ROUNDS_BETWEEN_NODES if between_nodes else _ROUNDS_INSIDE_NODE)
-    if between_nodes and len(items) <= _EXHAUSTIVE:
-        sides = _exhaustive_bisection(items, rooms, targets, state.slack)
+    state = _Bisection(items, rooms, targets, config, between_nodes, slack)
+    if between_nodes and len(items) <= config.exhaustive:
+        sides = _exhaustive_bisection(items, rooms, targets, state.slack, config.visits)
         if sides is not None:
             return sides
     pool = state.pool.items
-    heavy = _HEAVY * max(1.0, min(targets))
+    heavy = config.heavy * max(1.0, min(targets))
     # Items are placed one by one up to the last heavy one; the rest are dealt as a window.
     end = len(pool)
     while end and pool[end - 1].area <= heavy:
         end -= 1
-    short = max(int(_SHORT * min(rooms)), _SHORT_TOKENS) if between_nodes else 0
+    short = max(int(config.short * min(rooms)), config.short_tokens) if between_nodes else 0
     deferred = [pool[k] for k in range(end) if not state.place_heavy(k, short)]
     if deferred:  # one light pool in density order again
         state.pool = _Pool(sorted(deferred + pool[end:], key=_key_of))
@@ -627,7 +608,7 @@ def _bisect_items(items: List[_Item], rooms: Tuple[int, int], targets: Tuple[flo
     state.place_light(end)
     state.mend_cuts()
     sides = [_merged(side, state.cut) for side in state.out]
-    return _reopened(items, sides, rooms, targets, state.slack) if between_nodes else sides
+    return _reopened(items, sides, rooms, targets, state.slack, config) if between_nodes else sides
 
 
 def _cut_rows(sides: Sequence[Sequence[_Item]]) -> int:
@@ -641,9 +622,9 @@ def _cut_rows(sides: Sequence[Sequence[_Item]]) -> int:
 
 
 def _reopened(items: List[_Item], sides: List[List[_Item]], rooms: Tuple[int, int], targets: Tuple[float, float],
-              slack: float) -> List[List[_Item]]:
+              slack: float, config: PlacementConfig) -> List[List[_Item]]:
     """The greedy bisection's cuts searched again: the documents it cut, whole, and the shortest whole items of
-    each side (alternately, ``_REOPENED`` items in all) are split again over every subset
+    each side (alternately, ``config.reopened`` items in all) are split again over every subset
     (``_exhaustive_bisection``), the other items staying where they are; kept when it moves fewer rows.
 
     A greedy cut leaves its holder at the edge of feasibility, so the items placed after it are cut too (three
@@ -651,23 +632,26 @@ def _reopened(items: List[_Item], sides: List[List[_Item]], rooms: Tuple[int, in
     and areas to fill the rooms exactly around a single cut. After a single greedy cut the search saved little of
     the rows it saves after several, at most of its time (tools/plan_report.py measures both)."""
     cut = {it.doc for it in sides[0]} & {it.doc for it in sides[1]}
-    if len(cut) < 2 or len(cut) > _REOPENED - 2:  # a single cut: a few rows to save (~100 on the buckets)
+    if len(cut) < 2 or len(cut) > config.reopened - 2:  # a single cut: a few rows to save (~100 on the buckets)
         return sides
     shortest = [sorted((it for it in side if it.doc not in cut), key=_length_of) for side in sides]
     alternate = [it for pair in zip_longest(*shortest) for it in pair if it is not None]
-    free = [it for it in items if it.doc in cut] + alternate[:_REOPENED - len(cut)]
+    free = [it for it in items if it.doc in cut] + alternate[:config.reopened - len(cut)]
     moved = {it.doc for it in free}
     fixed = [[it for it in side if it.doc not in moved] for side in shortest]
     found = _exhaustive_bisection(free, tuple(r - sum(map(_length_of, f)) for r, f in zip(rooms, fixed)),
-                                  tuple(t - sum(map(_area_of, f)) for t, f in zip(targets, fixed)), slack)
+                                  tuple(t - sum(map(_area_of, f)) for t, f in zip(targets, fixed)), slack,
+                                  config.visits)
     if found is None:
         return sides
     found = [f + side for f, side in zip(fixed, found)]
     return found if _cut_rows(found) < _cut_rows(sides) else sides
 
 
-def _split(items: List[_Item], groups: list, caps: Sequence[int], targets: Sequence[float]) -> List[List[_Item]]:
-    """Recursive bisection over a tree of bins: ``groups`` is a bin index or a list of subtrees.
+def _split(items: List[_Item], groups: list, caps: Sequence[int], targets: Sequence[float], config: PlacementConfig,
+           node_slack: float) -> List[List[_Item]]:
+    """Recursive bisection over a tree of bins: ``groups`` is a bin index or a list of subtrees; bisections
+    between nodes may miss their targets by ``node_slack`` (a fraction), those inside a node by ``config.slack``.
 
     Each side's bin targets are rescaled to the area the side actually received, so a bisection's error
     is shared by all the bins below it instead of landing on the last bin split (a node slightly over its
@@ -675,12 +659,14 @@ def _split(items: List[_Item], groups: list, caps: Sequence[int], targets: Seque
     if isinstance(groups, int):
         return [items]
     if len(groups) == 1:
-        return _split(items, groups[0], caps, targets)
+        return _split(items, groups[0], caps, targets, config, node_slack)
     half = len(groups) // 2
     left, right = groups[:half], groups[half:]
     lb, rb = _leaves(left), _leaves(right)
+    between_nodes = not isinstance(groups[0], int)
     sides = _bisect_items(items, (sum(caps[b] for b in lb), sum(caps[b] for b in rb)),
-                          (sum(targets[b] for b in lb), sum(targets[b] for b in rb)), not isinstance(groups[0], int))
+                          (sum(targets[b] for b in lb), sum(targets[b] for b in rb)), between_nodes, config,
+                          node_slack if between_nodes else config.slack)
     scaled = list(targets)
     for side, leaves in zip(sides, (lb, rb)):
         wanted = sum(targets[b] for b in leaves)
@@ -688,7 +674,8 @@ def _split(items: List[_Item], groups: list, caps: Sequence[int], targets: Seque
             factor = sum(map(_area_of, side)) / wanted
             for b in leaves:
                 scaled[b] = targets[b] * factor
-    return _split(sides[0], left, caps, scaled) + _split(sides[1], right, caps, scaled)
+    return (_split(sides[0], left, caps, scaled, config, node_slack)
+            + _split(sides[1], right, caps, scaled, config, node_slack))
 
 
 def _leaves(groups: object) -> List[int]:
@@ -730,25 +717,46 @@ def _check_size(name: str, value: object, minimum: int) -> None:
 
 def sequence_aware_placement(doc_lengths: Sequence[int], *, ring_size: int, ulysses_size: int,
                              ring_members_per_node: int, tokens_per_rank: int,
-                             cost_model: Optional[CostModel] = None) -> List[List[Segment]]:
+                             cost_model: Optional[CostModel] = None,
+                             placement: Optional[PlacementConfig] = None) -> List[List[Segment]]:
     """Per CP rank (index ``c = ring_index * ulysses_size + ulysses_index``), its ``(doc_index, doc_start, doc_end)``
     segments in local order.
 
     Every rank holds exactly ``tokens_per_rank`` tokens except for tail padding on the last
     ranks. Ring member m (CP ranks ``m * ulysses_size ...``) sits on node
     ``m // ring_members_per_node``. ``cost_model`` (default ``CostModel()``, Llama-3-8B) sets how much
-    attention a padded member takes in place of its missing tokens' linear work. Deterministic:
-    every rank computes the same placement.
+    attention a padded member takes in place of its missing tokens' linear work; ``placement`` (default
+    ``PlacementConfig()``) the balance targets and knobs. Deterministic: every rank computes the same placement.
     """
     table = sequence_aware_table(doc_lengths, ring_size=ring_size, ulysses_size=ulysses_size,
                                  ring_members_per_node=ring_members_per_node, tokens_per_rank=tokens_per_rank,
-                                 cost_model=cost_model)
+                                 cost_model=cost_model, placement=placement)
     return table_segments(table, ring_size * ulysses_size)
+
+
+def _depth(count: int) -> int:
+    """Bisection levels that split ``count`` bins down to single bins."""
+    return max(0, count - 1).bit_length()
+
+
+def _node_slacks(config: PlacementConfig, num_nodes: int, members_per_node: int) -> List[float]:
+    """The slacks (fractions of a side's target) the bisections between nodes try, in order: in ``"traffic"``
+    mode the largest whose compounded error over the levels between nodes, times ``config.slack`` per level
+    inside a node, stays within ``attention_target`` (a member over its node's share by ``1 + e`` per level
+    on its path), then half and a quarter of it; ``config.slack`` last (``"tight"``: only that)."""
+    tight = [config.slack]
+    levels = _depth(num_nodes)
+    if config.balance == "tight" or levels == 0:
+        return tight
+    budget = config.attention_target / (1.0 + config.slack) ** _depth(members_per_node)
+    widest = budget ** (1.0 / levels) - 1.0
+    return [s for s in (widest, widest / 2, widest / 4) if s > config.slack] + tight
 
 
 def sequence_aware_table(doc_lengths: Sequence[int], *, ring_size: int, ulysses_size: int,
                          ring_members_per_node: int, tokens_per_rank: int,
-                         cost_model: Optional[CostModel] = None) -> np.ndarray:
+                         cost_model: Optional[CostModel] = None,
+                         placement: Optional[PlacementConfig] = None) -> np.ndarray:
     """``sequence_aware_placement`` as a segment table (``layouts.split_streams``): what ``plan_batch`` uses."""
     _check_size("ring_size", ring_size, 1)
     _check_size("ulysses_size", ulysses_size, 1)
@@ -756,6 +764,9 @@ def sequence_aware_table(doc_lengths: Sequence[int], *, ring_size: int, ulysses_
     _check_size("tokens_per_rank", tokens_per_rank, 0)
     if cost_model is not None and not isinstance(cost_model, CostModel):
         raise ValueError(f"cost_model must be a CostModel or None, got {type(cost_model).__name__}")
+    if placement is not None and not isinstance(placement, PlacementConfig):
+        raise ValueError(f"placement must be a PlacementConfig or None, got {type(placement).__name__}")
+    config = placement or PlacementConfig()
     for i, n in enumerate(doc_lengths):
         if not isinstance(n, int) or isinstance(n, bool) or n < 0:
             raise ValueError(f"doc_lengths[{i}]={n!r} must be an int >= 0")
@@ -771,7 +782,18 @@ def sequence_aware_table(doc_lengths: Sequence[int], *, ring_size: int, ulysses_
     targets = _attention_targets(caps, sum(it.area for it in docs), weight, max(doc_lengths, default=0))
     nodes = [list(range(m, min(m + ring_members_per_node, ring_size)))
              for m in range(0, ring_size, ring_members_per_node)]
-    members = _split(docs, nodes, caps, targets)
+    # Planned with the widest slack first; kept when every member's attention is within the target of its own
+    # (equal targets without padding: the attention imbalance), else planned again with the next slack (when
+    # none meets it, the one closest to it is kept).
+    best = None
+    for slack in _node_slacks(config, len(nodes), min(ring_members_per_node, ring_size)):
+        members = _split(docs, nodes, caps, targets, config, slack)
+        worst = max((sum(map(_area_of, items)) / t for items, t in zip(members, targets) if t > 0), default=1.0)
+        if best is None or worst < best[0]:
+            best = (worst, members)
+        if worst <= config.attention_target:
+            break
+    members = best[1]
     # Each member's stream: its documents in index order (one item each), each item's ranges in order.
     rows = [(m, it.doc, s, e) for m, items in enumerate(members) for it in sorted(items, key=_doc_of)
             for s, e in it.ranges]

@@ -25,7 +25,8 @@ from megatron_hsap.parallel_state import CPTopology
 from megatron_hsap.sequence.cost_model import CostModel
 from megatron_hsap.sequence.plan_cache import PlanCache
 from megatron_hsap.kernels.base import band_area
-from megatron_hsap.sequence.layouts import Segment, check_table, contiguous_table, table_segments, zigzag_table
+from megatron_hsap.sequence.layouts import LAYOUT_TABLES, Segment, check_table, table_segments
+from megatron_hsap.sequence.placement_config import PlacementConfig
 from megatron_hsap.sequence.schedule import (MemberSchedule, Piece, Window, build_member_schedule, document_bounds,
                                              member_pieces, normalize_window, piece_tables)
 
@@ -183,60 +184,47 @@ def _member_tables(table: np.ndarray, doc_lengths: Sequence[int], tokens_per_ran
     return [merged[bounds[m]:bounds[m + 1]] for m in range(ring)]
 
 
-def _place(doc_lengths: Tuple[int, ...], topology: CPTopology, layout: str,
-           cost_model: Optional[CostModel] = None) -> Tuple[np.ndarray, int]:
-    cp = topology.cp_size
-    if layout == "zigzag":
-        return zigzag_table(doc_lengths, cp, topology.ulysses_size)
-    if layout == "contiguous":
-        return contiguous_table(doc_lengths, cp)
-    from megatron_hsap.sequence.placement import sequence_aware_table
-
-    nodes = topology.node_of_cp_rank
-    members_on_node0 = sum(1 for m in range(topology.ring_size) if nodes[m * topology.ulysses_size] == nodes[0])
-    tokens_per_rank = -(-sum(doc_lengths) // cp)
-    table = sequence_aware_table(doc_lengths, ring_size=topology.ring_size, ulysses_size=topology.ulysses_size,
-                                 ring_members_per_node=members_on_node0, tokens_per_rank=tokens_per_rank,
-                                 cost_model=cost_model)
-    return table, tokens_per_rank
-
-
 def build_plan_data(doc_lengths: Tuple[int, ...], topology_signature: tuple, layout: str,
-                    cost_model: Optional[CostModel]) -> _PlanData:
+                    cost_model: Optional[CostModel], placement: Optional[PlacementConfig] = None) -> _PlanData:
     """The rank-independent part of a plan, uncached: placement, its check, the members' piece tables."""
     cp, ulysses, nodes = topology_signature
     topology = CPTopology(cp_size=cp, ulysses_size=ulysses, node_of_cp_rank=nodes)
     with _gc_paused():
-        table, tokens_per_rank = _place(doc_lengths, topology, layout, cost_model)
+        table, tokens_per_rank = LAYOUT_TABLES[layout].table(doc_lengths, topology, cost_model, placement)
         check_table(table, doc_lengths, tokens_per_rank)
         data = _PlanData(doc_lengths, layout, cp, ulysses, table, tokens_per_rank)
         data.tables = _member_tables(table, doc_lengths, tokens_per_rank, ulysses, cp // ulysses)
     return data
 
 
-#: (document lengths, topology signature, layout, cost model): ``build_plan_data``'s arguments.
-PlanKey = Tuple[Tuple[int, ...], Tuple[int, int, Tuple[int, ...]], str, Optional[CostModel]]
+#: (document lengths, topology signature, layout, cost model, placement config): ``build_plan_data``'s arguments.
+PlanKey = Tuple[Tuple[int, ...], Tuple[int, int, Tuple[int, ...]], str, Optional[CostModel], Optional[PlacementConfig]]
 #: The plans' rank-independent data by ``plan_key``: 64 entries, least recently used evicted.
 PLAN_CACHE: PlanCache = PlanCache(maxsize=64)
 
 
 def plan_key(cu_seqlens: torch.Tensor, topology_signature: Tuple[int, int, Tuple[int, ...]], layout: str,
-             cost_model: Optional[CostModel] = None) -> PlanKey:
+             cost_model: Optional[CostModel] = None, placement: Optional[PlacementConfig] = None) -> PlanKey:
     """The cache key of ``plan_batch``'s plan (``topology_signature``: ``CPTopology.signature()``), with the
-    arguments checked (ValueError naming the bad one) and a cost model that changes nothing dropped, so
-    plans that cannot differ share an entry."""
+    arguments checked (ValueError naming the bad one) and a cost model or placement config that changes
+    nothing dropped, so plans that cannot differ share an entry."""
     if layout not in LAYOUTS:
         raise ValueError(f"layout={layout!r} is not supported; allowed values: {', '.join(map(repr, LAYOUTS))}")
     if cost_model is not None and not isinstance(cost_model, CostModel):
         raise ValueError(f"cost_model must be a CostModel or None, got {type(cost_model).__name__}")
+    if placement is not None and not isinstance(placement, PlacementConfig):
+        raise ValueError(f"placement must be a PlacementConfig or None, got {type(placement).__name__}")
     lengths = validate_cu_seqlens(cu_seqlens)
-    if layout != "sequence-aware" or cost_model == CostModel():
+    configurable = LAYOUT_TABLES[layout].configurable
+    if not configurable or cost_model == CostModel():
         cost_model = None
-    return lengths, topology_signature, layout, cost_model
+    if not configurable or placement == PlacementConfig():
+        placement = None
+    return lengths, topology_signature, layout, cost_model, placement
 
 
 def plan_batch(cu_seqlens: torch.Tensor, topology: CPTopology, layout: str = "zigzag", *,
-               cost_model: Optional[CostModel] = None) -> "BatchPlan":
+               cost_model: Optional[CostModel] = None, placement: Optional[PlacementConfig] = None) -> "BatchPlan":
     """Plan one packed batch.
 
     cu_seqlens: int ``[num_docs + 1]`` boundaries of the *global* packed batch (the same
@@ -244,11 +232,14 @@ def plan_batch(cu_seqlens: torch.Tensor, topology: CPTopology, layout: str = "zi
     or ``CPTopology.offline(...)``. layout: 'zigzag', 'contiguous' or 'sequence-aware'.
     cost_model: the model's layer geometry for the sequence-aware placement (how much attention
     a rank with padding takes in place of linear work); default ``CostModel()`` (Llama-3-8B).
-    The other layouts ignore it.
+    placement: the sequence-aware placement's targets and knobs (``PlacementConfig``; default
+    ``PlacementConfig()``: attention imbalance <= 1.02, slack spent on inter-node traffic). The other layouts
+    ignore both.
     """
     if not isinstance(topology, CPTopology):
         raise ValueError(f"topology must be a CPTopology, got {type(topology).__name__}")
-    key = plan_key(cu_seqlens, topology.signature(), layout, cost_model)
+    with _gc_paused():  # the lengths' list and tuple: a batch of many documents would trigger collections
+        key = plan_key(cu_seqlens, topology.signature(), layout, cost_model, placement)
     data = PLAN_CACHE.get(key)
     if data is None:
         data = build_plan_data(*key)

@@ -25,6 +25,7 @@ import torch
 from megatron_hsap.parallel_state import CPTopology
 from megatron_hsap.sequence.cost_model import CostModel
 from megatron_hsap.sequence.plan import BatchPlan, plan_batch
+from megatron_hsap.sequence.placement_config import PlacementConfig
 
 __all__ = ["PlanPrefetcher", "plan_ahead"]
 
@@ -40,8 +41,8 @@ class PlanPrefetcher:
     ``plan_batch`` (bad ``cu_seqlens``) are raised by ``next`` at the item that caused them."""
 
     def __init__(self, stream: Iterable[Any], topology: CPTopology, layout: str = "zigzag", *,
-                 cost_model: Optional[CostModel] = None, depth: int = 2,
-                 cu_seqlens_of: Optional[Callable[[Any], torch.Tensor]] = None) -> None:
+                 cost_model: Optional[CostModel] = None, placement: Optional[PlacementConfig] = None,
+                 depth: int = 2, cu_seqlens_of: Optional[Callable[[Any], torch.Tensor]] = None) -> None:
         if not isinstance(depth, int) or isinstance(depth, bool) or depth < 1:
             raise ValueError(f"depth={depth!r} must be a positive int")
         if not isinstance(topology, CPTopology):
@@ -51,12 +52,12 @@ class PlanPrefetcher:
         self._queue: "queue.Queue" = queue.Queue(maxsize=depth)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._work,
-                                        args=(iter(stream), topology, layout, cost_model, cu_seqlens_of),
+                                        args=(iter(stream), topology, layout, cost_model, placement, cu_seqlens_of),
                                         name="plan-prefetch", daemon=True)
         self._thread.start()
 
     def _work(self, stream: Iterator[Any], topology: CPTopology, layout: str, cost_model: Optional[CostModel],
-              cu_seqlens_of: Optional[Callable[[Any], torch.Tensor]]) -> None:
+              placement: Optional[PlacementConfig], cu_seqlens_of: Optional[Callable[[Any], torch.Tensor]]) -> None:
         while not self._stop.is_set():
             try:
                 item = next(stream)
@@ -68,7 +69,7 @@ class PlanPrefetcher:
                 return
             try:
                 cu_seqlens = item if cu_seqlens_of is None else cu_seqlens_of(item)
-                self._put((item, plan_batch(cu_seqlens, topology, layout, cost_model=cost_model)))
+                self._put((item, plan_batch(cu_seqlens, topology, layout, cost_model=cost_model, placement=placement)))
             except BaseException as error:
                 self._put(error)
                 return
@@ -103,15 +104,16 @@ class PlanPrefetcher:
 
 
 def plan_ahead(batches: Iterable[Item], cu_seqlens_of: Callable[[Item], torch.Tensor], topology: CPTopology,
-               layout: str, *, cost_model: Optional[CostModel] = None, depth: int = 2) -> Iterator[Item]:
+               layout: str, *, cost_model: Optional[CostModel] = None, placement: Optional[PlacementConfig] = None,
+               depth: int = 2) -> Iterator[Item]:
     """Yield ``batches`` unchanged, in order, while the next ``depth`` are planned in a background thread
     (``cu_seqlens_of(batch)``: the batch's global document boundaries, the same on every rank): the caller's
     own ``plan_batch(cu_seqlens_of(batch), topology, layout)`` is then a cache hit. Identical plans on every
     rank, since plans are pure functions of the lengths and the topology's shape. Errors surface at the
     batch that caused them; the thread stops when the iterator is exhausted, closed or collected. Bad
     arguments raise ValueError here, before the first batch."""
-    return _batches_of(PlanPrefetcher(batches, topology, layout, cost_model=cost_model, depth=depth,
-                                      cu_seqlens_of=cu_seqlens_of))
+    return _batches_of(PlanPrefetcher(batches, topology, layout, cost_model=cost_model, placement=placement,
+                                      depth=depth, cu_seqlens_of=cu_seqlens_of))
 
 
 def _batches_of(prefetcher: PlanPrefetcher) -> Iterator[Any]:

@@ -1,0 +1,82 @@
+"""The sequence-aware placement's targets and tuning constants, as one value (``plan_batch(..., placement=)``).
+
+A ``PlacementConfig`` is frozen and hashable: it is part of the plan-cache key (``plan.plan_key``), so plans
+made with different knobs never share an entry. docs/sequence_aware.md explains each field and quotes the
+measurements (``tools/plan_report.py``) behind the defaults.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields
+
+__all__ = ["BALANCES", "PlacementConfig"]
+
+#: ``PlacementConfig.balance``: spend the attention target's slack on inter-node traffic, or balance tightly.
+BALANCES = ("traffic", "tight")
+
+
+@dataclass(frozen=True)
+class PlacementConfig:
+    """Targets and knobs of the sequence-aware placement (the other layouts ignore it).
+
+    balance: ``"traffic"`` (default) lets the bisections between nodes miss their attention targets by as much as
+    ``attention_target`` allows, so that fewer documents are cut between nodes; ``"tight"`` balances every
+    bisection within ``slack`` first (traffic second). In either mode a placement whose worst ring member is
+    above ``attention_target`` times its share is planned again with the slack halved, down to ``"tight"``.
+    attention_target: the largest attention (plus linear) cost of a ring member over its share (1.02: 2 % over).
+    token_target: the largest token count of a CP rank over the mean; the placement gives every rank exactly
+    ``tokens_per_rank`` tokens (tail padding only on the last ranks), so it holds at 1.0 (plan_report checks it).
+
+    The knobs (docs/sequence_aware.md, "Recursive bisection", names the step of each):
+    heavy: items above this fraction of the smaller side's target are placed one by one, the rest dealt as a window
+    (whose area error is at most about one such item). short / short_tokens: between nodes, a heavy item of at most
+    this fraction of the smaller side's tokens, or of at most this many tokens, is never cut (the light phase fills
+    rooms exactly by choosing and exchanging items; such a cut would buy nearly no balance). tiny: the shortest
+    items holding this fraction of a bisection's tokens are shared in proportion to the rooms. exchange: items
+    considered (shortest first) when exchanging a few to close a token gap. slack: a side may miss its target by
+    this fraction in ``"tight"`` mode and inside nodes (the rest of the hierarchy adds its own error).
+    rounds_between_nodes / rounds_inside_node: scans of the piece size when cutting (coarse, then refined around
+    the best): between nodes every row saved is inter-node traffic; inside a node one coarse scan costs a few more
+    intra-node rows at a fraction of the planning time. exhaustive: between nodes, bisections of at most this many
+    items try every subset (fewer gave back most of the rows it saves); visits: cuts of least lower bound whose
+    exact rows they compute. reopened: documents cut by the greedy steps between nodes plus the shortest items,
+    this many in all, searched again over every subset (10 and 12 saved no more rows at up to twice the planning
+    time). docs/sequence_aware.md quotes the tools/plan_report.py runs behind these choices.
+    """
+
+    balance: str = "traffic"
+    attention_target: float = 1.02
+    token_target: float = 1.05
+    heavy: float = 0.001
+    short: float = 0.02
+    short_tokens: int = 64
+    tiny: float = 0.02
+    exchange: int = 48
+    slack: float = 0.001
+    rounds_between_nodes: int = 3
+    rounds_inside_node: int = 1
+    exhaustive: int = 12
+    visits: int = 32
+    reopened: int = 8
+
+    def __post_init__(self) -> None:
+        if self.balance not in BALANCES:
+            raise ValueError(f"balance={self.balance!r} is not supported; allowed values: "
+                             f"{', '.join(map(repr, BALANCES))}")
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.type == "int" and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
+                raise ValueError(f"{f.name}={value!r} must be an int >= 0")
+            if f.type == "float" and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                      or not math.isfinite(value) or value < 0):
+                raise ValueError(f"{f.name}={value!r} must be a finite number >= 0")
+        for name in ("attention_target", "token_target"):
+            if getattr(self, name) < 1.0:
+                raise ValueError(f"{name}={getattr(self, name)!r} must be >= 1.0 (a ratio to the mean)")
+        if self.slack >= self.attention_target - 1.0:
+            raise ValueError(f"slack={self.slack!r} must be below attention_target - 1 = "
+                             f"{self.attention_target - 1.0:.6g} (the tight bisections' error must fit the target)")
+        for name in ("rounds_between_nodes", "rounds_inside_node"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)!r} must be an int >= 1")
