@@ -139,3 +139,14 @@ def test_a_warning_repeated_by_every_rank_fails(tmp_path):
                    f'<!-- check-docs -->\n```bash\npython -c "{once}"; python -c "{once}"\n```\n')
     tool = _tool()
     assert [tool.check(b, sys.executable) is None for b in tool.parse(str(doc))] == [True, False]
+
+
+def test_a_block_inside_a_list_item_is_checked_too(tmp_path):
+    doc = tmp_path / "doc.md"
+    doc.write_text("- item:\n\n  <!-- check-docs -->\n  ```\n  $ python -c \"print(42)\"\n  41\n  ```\n\n"
+                   "- another:\n\n  ```\n  $ true\n  ```\n")
+    tool = _tool()
+    blocks = tool.parse(str(doc))
+    assert [(b.command, b.expected, b.marker) for b in blocks] == [('python -c "print(42)"', ["41"], "check"),
+                                                                  ("true", [], None)]
+    assert tool.check(blocks[0], sys.executable) is not None  # 42 printed, 41 quoted

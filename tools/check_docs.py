@@ -111,11 +111,12 @@ def parse(path: str) -> List[Block]:
     blocks: List[Block] = []
     i = 0
     while i < len(lines):
-        if not lines[i].startswith("```"):
+        if not lines[i].lstrip().startswith("```"):
             i += 1
             continue
-        end = next((j for j in range(i + 1, len(lines)) if lines[j].startswith("```")), len(lines))
-        language, body = lines[i][3:].strip(), lines[i + 1:end]
+        indent = len(lines[i]) - len(lines[i].lstrip())  # a block inside a list item is indented
+        end = next((j for j in range(i + 1, len(lines)) if lines[j].lstrip().startswith("```")), len(lines))
+        language, body = lines[i].strip()[3:].strip(), [line[indent:] for line in lines[i + 1:end]]
         found: List[Block] = []
         if body and body[0].startswith("$ "):
             found = _quoted_runs(path, i + 2, body)
