@@ -233,3 +233,164 @@ def test_start_up_errors_name_the_flag(tmp_path, capsys, flags, message):
     with pytest.raises((ValueError, SystemExit)) as err:  # parse_args reports some as argparse errors (exit 2)
         parse_args(argv)
     assert re.search(message, str(err.value) + capsys.readouterr().err)
+
+
+# ---------------------------------------------------------------- no code runs from a checkpoint
+
+def _rewrite_manifest(path, how: str) -> None:
+    """``recomputed``: every file's size and CRC-32 written anew (as whoever edited the files could);
+    ``deleted``: no manifest (an unverified checkpoint)."""
+    import json
+    import zlib
+
+    manifest = path / "hsap_manifest.json"
+    if how == "deleted":
+        manifest.unlink()
+        return
+    files = {p.name: [p.stat().st_size, zlib.crc32(p.read_bytes())] for p in path.iterdir()
+             if p.name != manifest.name}
+    manifest.write_text(json.dumps({"iteration": json.loads(manifest.read_text())["iteration"], "files": files}))
+
+
+class _RunsCode:
+    """Unpickled, runs ``code`` (creates a marker file) and returns ``then``'s value: the real content, so a
+    loader without an allow-list carries on as if nothing happened."""
+
+    def __init__(self, marker: str, then: str) -> None:
+        self.marker, self.then = marker, then
+
+    def __reduce__(self):
+        return eval, (f"[__import__('pathlib').Path({self.marker!r}).touch(), {self.then}][1]",)
+
+
+def _craft(path, kind: str, marker: str) -> str:
+    """Make checkpoint directory ``path`` run code when loaded; returns the file that carries the code.
+
+    ``metadata``: ``.metadata`` becomes a pickle that runs code, then returns the real metadata.
+    ``sharded-object``: ``rng_state`` points at a new ``evil.distcp`` holding a ``torch.save`` object that runs
+    code, then returns the real RNG states (``.metadata`` itself holds only allowed classes).
+    """
+    import io
+    import pickle
+
+    import torch
+
+    meta_file = path / ".metadata"
+    if kind == "metadata":
+        original = meta_file.read_bytes()
+        meta_file.write_bytes(pickle.dumps(_RunsCode(marker, f"__import__('pickle').loads({original!r})")))
+        return str(meta_file)
+    metadata = pickle.loads(meta_file.read_bytes())
+    index, info = next((i, s) for i, s in metadata.storage_data.items() if i.fqn.startswith("rng_state"))
+    with open(path / info.relative_path, "rb") as f:
+        f.seek(info.offset)
+        original = f.read(info.length)
+    buffer = io.BytesIO()
+    torch.save(_RunsCode(marker, f"__import__('torch').load(__import__('io').BytesIO({original!r}), "
+                                 "weights_only=False)"), buffer)
+    (path / "evil.distcp").write_bytes(buffer.getvalue())
+    metadata.storage_data[index] = type(info)("evil.distcp", 0, len(buffer.getvalue()))
+    meta_file.write_bytes(pickle.dumps(metadata))
+    return str(path / "evil.distcp")
+
+
+@pytest.fixture(scope="module")
+def small_checkpoint(tmp_path_factory, cache_dir) -> str:
+    """One iteration of the tiny GPT on CP 2, saved (a real rng_state sharded object, layers' _extra_state)."""
+    ckpt = tmp_path_factory.mktemp("small") / "ckpt"
+    result = _run(TINY + ["--context-parallel-size", "2", "--train-iters", "2", "--save-interval", "1",
+                          "--exit-interval", "1", "--data-cache-path", cache_dir, "--save", str(ckpt)], 2,
+                  timeout=HANG_SECONDS)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return str(ckpt)
+
+
+def _copy_checkpoint(small_checkpoint: str, tmp_path) -> "os.PathLike":
+    import shutil
+
+    root = tmp_path / "ckpt"
+    shutil.copytree(small_checkpoint, root, ignore=shutil.ignore_patterns(".hsap_lock"))
+    return root
+
+
+def _load_problem(root: str) -> str:
+    """What load_checkpoint raises on this rank; it reads no model state before the checks."""
+    from megatron_hsap.training.arguments import parse_args
+    from megatron_hsap.training.checkpoint import load_checkpoint
+
+    args = parse_args(["--nproc", "2", "--context-parallel-size", "2"] + TINY)
+    with pytest.raises(RuntimeError) as err:
+        load_checkpoint(root, model=[], optimizer=None, scheduler=None, args=args)
+    return str(err.value)
+
+
+@pytest.mark.parametrize("manifest", ["recomputed", "deleted"])
+@pytest.mark.parametrize("kind, refused", [("metadata", "builtins.eval"), ("sharded-object", "builtins.eval")])
+def test_checkpoint_pickle_that_runs_code_is_refused_on_every_rank(small_checkpoint, tmp_path, kind, refused,
+                                                                   manifest):
+    """Before: ``.metadata`` went through ``pickle.load`` and sharded objects through
+    ``torch.load(weights_only=False)``, so the marker file appeared on every rank and training went on."""
+    root = _copy_checkpoint(small_checkpoint, tmp_path)
+    marker = tmp_path / "code-ran"
+    carrier = _craft(root / "iter_0000001", kind, str(marker))
+    _rewrite_manifest(root / "iter_0000001", manifest)
+    errors = run_distributed(_load_problem, 2, str(root), timeout=120)
+    assert errors[0] == errors[1], errors
+    assert f"{carrier}" in errors[0] and f"names {refused}" in errors[0] and "refusing to load it" in errors[0], \
+        errors[0]
+    assert not marker.exists()
+
+
+def test_resume_from_a_checkpoint_that_runs_code_stops_every_rank(small_checkpoint, tmp_path, cache_dir):
+    """End to end: the sharded-object attack with a recomputed manifest; every rank names the file, none runs it."""
+    root = _copy_checkpoint(small_checkpoint, tmp_path)
+    marker = tmp_path / "code-ran"
+    carrier = _craft(root / "iter_0000001", "sharded-object", str(marker))
+    _rewrite_manifest(root / "iter_0000001", "recomputed")
+    result = _run(TINY + ["--context-parallel-size", "2", "--train-iters", "2", "--data-cache-path", cache_dir,
+                          "--load", str(root)], 2, timeout=HANG_SECONDS)
+    assert result.returncode == 1, result.stderr[-3000:]
+    assert result.stderr.count(f"{carrier} (object 'rng_state/shard_0.0_1.1') names builtins.eval") == 2, \
+        result.stderr[-3000:]
+    assert not marker.exists()
+    assert "iteration        2/" not in result.stdout
+
+
+def test_checkpoint_without_a_manifest_loads_with_a_note_that_it_is_unverified(small_checkpoint, tmp_path,
+                                                                               cache_dir):
+    root = _copy_checkpoint(small_checkpoint, tmp_path)
+    (root / "iter_0000001" / "hsap_manifest.json").unlink()
+    result = _run(TINY + ["--context-parallel-size", "2", "--train-iters", "2", "--data-cache-path", cache_dir,
+                          "--load", str(root)], 2, timeout=HANG_SECONDS)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert re.search(r"note: \S+iter_0000001 has no hsap_manifest\.json: unverified", result.stdout), result.stdout
+    assert "loaded checkpoint from" in result.stdout
+
+
+@pytest.mark.parametrize("kind", ["metadata", "sharded-object"])
+def test_megatron_core_load_itself_reads_through_the_allow_list(small_checkpoint, tmp_path, kind):
+    """Defence in depth: a file changed after ``check_pickles`` is refused by the load itself
+    (``restricted_loading``: torch's ``FileSystemReader.read_metadata`` and its ``load_bytes``'s torch.load)."""
+    import io
+    import pickle
+    from types import SimpleNamespace
+
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+
+    from megatron_hsap.training.checkpoint_trust import UnsafeCheckpointError, restricted_loading
+
+    root = _copy_checkpoint(small_checkpoint, tmp_path)
+    marker = tmp_path / "code-ran"
+    carrier = _craft(root / "iter_0000001", kind, str(marker))
+    with restricted_loading():
+        if kind == "metadata":
+            with pytest.raises(UnsafeCheckpointError, match=re.escape(carrier) + " names builtins.eval"):
+                FileSystemReader(str(root / "iter_0000001")).read_metadata()
+        else:
+            planner = DefaultLoadPlanner()
+            planner.flatten_state_dict, planner.state_dict = False, {}
+            read_item = SimpleNamespace(dest_index=SimpleNamespace(fqn="rng_state"))  # all load_bytes reads
+            with pytest.raises(pickle.UnpicklingError, match="GLOBAL eval was not an allowed global"):
+                planner.load_bytes(read_item, io.BytesIO(open(carrier, "rb").read()))
+    assert not marker.exists()

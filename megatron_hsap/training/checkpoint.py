@@ -50,6 +50,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_hsap.training import fault_injection
+from megatron_hsap.training.checkpoint_trust import check_pickles, load_common, restricted_loading
 from megatron_hsap.training.save_lock import LOCK_FILE
 
 __all__ = ["save_checkpoint", "load_checkpoint", "load_args_from_checkpoint", "latest_iteration", "verify_files",
@@ -147,16 +148,6 @@ def _restore_rng(states: List[Dict[str, Any]]) -> bool:
         torch.cuda.set_rng_state(state["cuda_rng_state"])
     tensor_parallel.get_cuda_rng_tracker().set_states(state["rng_tracker_states"])
     return True
-
-
-@contextlib.contextmanager
-def _trusted_pickles() -> Iterator[None]:
-    """Let ``torch.load`` (weights-only by default) read the non-tensor objects of our own checkpoints:
-    the ``args`` namespace and numpy's RNG state, as written by Megatron-LM too."""
-    core = getattr(np, "_core", None) or np.core
-    with torch.serialization.safe_globals([argparse.Namespace, np.ndarray, np.dtype, type(np.dtype(np.uint32)),
-                                           core.multiarray._reconstruct]):
-        yield
 
 
 def _init_optimizer_state(optimizer: Any) -> None:
@@ -394,10 +385,7 @@ _ARGS_ALWAYS = ("num_query_groups", "position_embedding_type", "rotary_base", "d
 
 def _read_common(path: str) -> Dict[str, Any]:
     """The checkpoint's non-sharded objects (``args``, ``iteration``, content metadata, ...); a file read only."""
-    from megatron.core import dist_checkpointing
-
-    with _trusted_pickles():
-        return dist_checkpointing.load_common_state_dict(path)
+    return load_common(path)
 
 
 def load_args_from_checkpoint(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
@@ -425,6 +413,9 @@ def _problems(root: str, iteration: int, args: argparse.Namespace) -> Tuple[List
     """What is wrong with loading ``iteration``'s (verified) files under ``args``, and the checkpoint's common
     state (empty when unreadable)."""
     path = _iter_dir(root, iteration)
+    unsafe = check_pickles(path)  # before anything else is read from the checkpoint
+    if unsafe:
+        return [f"--load {root!r}: {p}" for p in unsafe], {}
     try:
         common = _read_common(path)
     except Exception as err:  # noqa: BLE001 - any read failure becomes one clear message
@@ -458,7 +449,7 @@ def _read_and_apply(root: str, path: str, iteration: int, model: List[Any], opti
     from megatron.core import dist_checkpointing
 
     try:
-        with _trusted_pickles():
+        with restricted_loading():
             state = dist_checkpointing.load(_state_dict(args, model, optimizer, scheduler, iteration, metadata,
                                                         rng=rng, is_loading=True), path)
     except Exception as err:  # noqa: BLE001 - any read failure becomes one clear message
@@ -540,7 +531,9 @@ def load_checkpoint(root: str, model: List[Any], optimizer: Any, scheduler: Any,
         return 0
     path = _iter_dir(root, iteration)
     if not os.path.isfile(os.path.join(path, _MANIFEST)):
-        notes.append(f"note: {path} has no {_MANIFEST} (written by another tool); its files are not verified")
+        notes.append(f"note: {path} has no {_MANIFEST}: unverified (written by another tool, or the manifest was "
+                     "removed): its files' sizes and CRC-32s are not checked (its pickles still go through the "
+                     "allow-list, docs/training.md 'Trust model')")
     saved = common.get("args")
     metadata = dist_checkpointing.load_content_metadata(preloaded_state_dict=common) or {}
     load_optim = not (args.no_load_optim or args.finetune)
