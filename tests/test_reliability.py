@@ -394,3 +394,25 @@ def test_megatron_core_load_itself_reads_through_the_allow_list(small_checkpoint
             with pytest.raises(pickle.UnpicklingError, match="GLOBAL eval was not an allowed global"):
                 planner.load_bytes(read_item, io.BytesIO(open(carrier, "rb").read()))
     assert not marker.exists()
+
+
+# ---------------------------------------------------------------- errors that name the cause
+
+def test_disk_full_during_a_save_names_the_cause_and_the_file(tmp_path, cache_dir):
+    """Before: ``error: rank 0, saving checkpoint: CheckpointException ranks:dict_keys([0])`` (torch's
+    ``CheckpointException`` is a BaseException whose message lists the ranks, not the cause). Rank 0 writes
+    every shard here (the CP ranks hold replicas), so its writer gets the full disk."""
+    ckpt = tmp_path / "ckpt"
+    result = _run(TINY + ["--context-parallel-size", "2", "--train-iters", "2", "--data-cache-path", cache_dir,
+                          "--save", str(ckpt), "--save-interval", "1"], 2, timeout=HANG_SECONDS,
+                  env={"HSAP_TEST_FAULT": "disk-full-in-save@0:1"})
+    assert result.returncode == 1, result.stderr[-3000:]
+    staging = ckpt / "iter_0000001.partial"
+    line = re.compile(rf"error: rank \d, iteration 1 \(saving checkpoint\): --save '{re.escape(str(ckpt))}': saving "
+                      rf"iteration 1 into {re.escape(str(staging))} failed: rank 0: No space left on device: "
+                      rf"{re.escape(str(staging))}/__0_\d\.distcp")
+    assert len(line.findall(result.stderr)) == 1, result.stderr[-3000:]
+    assert re.search(r"error: rank 1, iteration 1 \(saving checkpoint\): .* failed: on another rank \(its error "
+                     r"names the cause\)", result.stderr), result.stderr[-3000:]
+    assert "CheckpointException" not in result.stderr
+    assert not (ckpt / "latest_checkpointed_iteration.txt").exists()

@@ -48,6 +48,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
 
 from megatron_hsap.training import fault_injection
 from megatron_hsap.training.checkpoint_trust import check_pickles, load_common, restricted_loading
@@ -282,10 +283,47 @@ def save_checkpoint(root: str, iteration: int, model: List[Any], optimizer: Any,
         os.makedirs(staging)
     dist.barrier()
     metadata = _content_metadata(args)
-    dist_checkpointing.save(_state_dict(args, model, optimizer, scheduler, iteration, metadata, rng=True,
-                                        is_loading=False), staging, content_metadata=metadata)
+    fault_injection.inject("before-save", iteration)
+    try:
+        dist_checkpointing.save(_state_dict(args, model, optimizer, scheduler, iteration, metadata, rng=True,
+                                            is_loading=False), staging, content_metadata=metadata)
+    except CheckpointException as err:  # a BaseException: its message lists ranks, not the cause
+        raise RuntimeError(f"--save {root!r}: saving iteration {iteration} into {staging} failed: "
+                           f"{_checkpoint_failure(err)}") from None
     fault_injection.inject("save", iteration)
     dist.barrier()
+    try:
+        _complete_save(root, staging, final, iteration, rank, world)
+    except OSError as err:
+        raise RuntimeError(f"--save {root!r}: completing iteration {iteration}'s checkpoint failed: "
+                           f"{_os_error(err)}") from None
+    dist.barrier()
+    return final
+
+
+def _os_error(err: OSError) -> str:
+    """``err`` as 'No space left on device: <path>' (its description and file), else its text."""
+    if err.strerror and err.filename:
+        return f"{err.strerror}: {err.filename}"
+    return f"{type(err).__name__}: {err}"
+
+
+def _checkpoint_failure(err: BaseException) -> str:
+    """The causes inside torch's ``CheckpointException`` (rank -> (exception, traceback)), one per rank; an
+    OS error as its description and file, also when megatron-core's writer passed it on as text."""
+    causes = []
+    for rank, (exc, _) in sorted(getattr(err, "failures", {}).items()):
+        while not isinstance(exc, OSError) and (exc.__cause__ or exc.__context__) is not None:
+            exc = exc.__cause__ or exc.__context__
+        os_error = re.search(r"\[Errno \d+\] ([^:]+): '([^']+)'", str(exc))
+        cause = (_os_error(exc) if isinstance(exc, OSError) else f"{os_error.group(1)}: {os_error.group(2)}"
+                 if os_error else f"{type(exc).__name__}: {exc}")
+        causes.append(f"rank {rank}: {cause}")
+    return "; ".join(causes) or "on another rank (its error names the cause)"
+
+
+def _complete_save(root: str, staging: str, final: str, iteration: int, rank: int, world: int) -> None:
+    """The manifest (every rank checksums its share, rank 0 writes it), the rename to ``final`` and the tracker."""
     names = _files(staging)
     mine = {name: [os.path.getsize(os.path.join(staging, name)), _crc32(os.path.join(staging, name))]
             for name in names[rank::world]}
@@ -305,8 +343,6 @@ def save_checkpoint(root: str, iteration: int, model: List[Any], optimizer: Any,
         write_tracker(root, iteration)
         if os.path.exists(replaced):
             shutil.rmtree(replaced)
-    dist.barrier()
-    return final
 
 
 def latest_iteration(root: str) -> Optional[int]:
@@ -452,6 +488,9 @@ def _read_and_apply(root: str, path: str, iteration: int, model: List[Any], opti
         with restricted_loading():
             state = dist_checkpointing.load(_state_dict(args, model, optimizer, scheduler, iteration, metadata,
                                                         rng=rng, is_loading=True), path)
+    except CheckpointException as err:  # a BaseException: its message lists ranks, not the cause
+        raise RuntimeError(f"--load {root!r}: failed to read iteration {iteration}: "
+                           f"{_checkpoint_failure(err)}") from None
     except Exception as err:  # noqa: BLE001 - any read failure becomes one clear message
         raise RuntimeError(f"--load {root!r}: failed to read iteration {iteration}: "
                            f"{type(err).__name__}: {err}") from err

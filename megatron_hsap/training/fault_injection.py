@@ -14,6 +14,7 @@ at iteration ``<iteration>``:
 | ``nan-attention`` | forward | write NaN into the last local layer's ``linear_qkv`` weight |
 | ``nan-loss`` | forward | write NaN into the micro-batch's loss mask |
 | ``kill-in-save`` | save | SIGKILL itself after writing its checkpoint shards, before the save completes |
+| ``disk-full-in-save`` | before-save | its checkpoint writer fails with ``OSError(ENOSPC)`` (a full disk) |
 
 Not a user feature: it exists so that tests exercise real failures (a real SIGKILL,
 a real signal, a real NaN) at a deterministic point.
@@ -31,7 +32,7 @@ ENV = "HSAP_TEST_FAULT"
 _WHERE = {"kill": "forward", "stop": "forward", "raise": "forward", "SIGTERM": "forward", "SIGUSR1": "forward",
           "nan-attention": "forward", "nan-loss": "forward", "kill-in-save": "save",
           "parent-SIGTERM": "forward", "parent-SIGUSR1": "forward",
-          "parent-SIGTERM-in-save": "save", "parent-SIGUSR1-in-save": "save"}
+          "parent-SIGTERM-in-save": "save", "parent-SIGUSR1-in-save": "save", "disk-full-in-save": "before-save"}
 
 
 def _parse(text: str) -> List[Tuple[str, int, int]]:
@@ -49,7 +50,7 @@ def _parse(text: str) -> List[Tuple[str, int, int]]:
 
 
 def planned(point: str, iteration: int) -> List[str]:
-    """The fault kinds planned for this rank at ``point`` ('forward' or 'save') of ``iteration``."""
+    """The fault kinds planned for this rank at ``point`` ('forward', 'before-save' or 'save') of ``iteration``."""
     text = os.environ.get(ENV)
     if not text:
         return []
@@ -78,3 +79,15 @@ def inject(point: str, iteration: int, model: Optional[List[Any]] = None, loss_m
             layers = [m for chunk in model for name, m in chunk.named_modules() if name.endswith("self_attention")]
             with torch.no_grad():
                 layers[-1].linear_qkv.weight.view(-1)[0] = float("nan")
+        elif kind == "disk-full-in-save":
+            from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+            filesystem_async._write_item = _disk_full  # the writer processes are forked after this
+
+
+def _disk_full(*args: Any, **kwargs: Any) -> None:
+    """Stands in for torch's ``_write_item``: the write fails as on a full disk, naming the file."""
+    import errno
+
+    stream = next(a for a in args if hasattr(a, "fileno"))
+    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), stream.name)
