@@ -425,3 +425,81 @@ def test_disk_full_during_a_save_names_the_cause_and_the_file(tmp_path, cache_di
                      r"names the cause\)", result.stderr), result.stderr[-3000:]
     assert "CheckpointException" not in result.stderr
     assert not (ckpt / "latest_checkpointed_iteration.txt").exists()
+
+
+def test_sigint_in_a_rank_is_named(tmp_path, cache_dir):
+    """Before: ``error: rank 1, iteration 1 (forward-backward): `` and nothing after it (KeyboardInterrupt has
+    no message)."""
+    result = _run(TINY + ["--context-parallel-size", "2", "--train-iters", "2", "--data-cache-path", cache_dir], 2,
+                  timeout=HANG_SECONDS, env={"HSAP_TEST_FAULT": "SIGINT@1:1"})
+    assert result.returncode == 1, result.stderr[-3000:]
+    assert "error: rank 1, iteration 1 (forward-backward): interrupted by SIGINT (KeyboardInterrupt)" in \
+        result.stderr, result.stderr[-3000:]
+    assert not re.search(r"error: [^\n]*: $", result.stderr, re.M), result.stderr[-3000:]
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--ffn-hidden-size", "64"], "--ffn-hidden-size is 64 but {path} was written with 128"),
+    (["--num-query-groups", "2"], "--num-query-groups is 2 but {path} was written with 4"),
+    (["--swiglu"], "--swiglu is True but {path} was written with False"),
+    (["--ffn-hidden-size", "128"], None),  # the default, 4 x hidden size, given explicitly: the same model
+], ids=["ffn-hidden-size", "num-query-groups", "swiglu", "ffn-default-given"])
+def test_load_checks_the_mlp_and_query_group_shapes_first(small_checkpoint, flags, message):
+    """Before: these differences failed deep inside megatron-core's load (shape mismatch of a sharded tensor)."""
+    from megatron_hsap.training.arguments import parse_args
+    from megatron_hsap.training.checkpoint import _problems
+
+    args = parse_args(["--nproc", "2", "--context-parallel-size", "2"] + TINY + flags)
+    problems, _ = _problems(small_checkpoint, 1, args)
+    path = os.path.join(small_checkpoint, "iter_0000001")
+    assert problems == ([] if message is None else [f"--load {small_checkpoint!r}: {message.format(path=path)} "
+                                                    "(--use-checkpoint-args takes the checkpoint's)"])
+
+
+def test_a_renamed_iteration_directory_is_refused(small_checkpoint, tmp_path):
+    """Before: after swapping two iteration directories the run resumed (and logged) the directory's iteration
+    with the other one's state."""
+    from megatron_hsap.training.arguments import parse_args
+    from megatron_hsap.training.checkpoint import _problems
+
+    root = _copy_checkpoint(small_checkpoint, tmp_path)
+    (root / "iter_0000001").rename(root / "iter_0000003")
+    (root / "latest_checkpointed_iteration.txt").write_text("3")
+    problems, _ = _problems(str(root), 3, parse_args(["--nproc", "2", "--context-parallel-size", "2"] + TINY))
+    assert problems == [f"--load {str(root)!r}: {root}/iter_0000003 holds iteration 1, not 3 (its directory was "
+                        "renamed or swapped with another): refusing to resume at the wrong iteration"]
+
+
+@pytest.mark.parametrize("name", ["/etc/hostname", "../outside.txt", "sub/../../outside.txt"])
+def test_manifest_entries_outside_the_checkpoint_are_refused(small_checkpoint, tmp_path, name):
+    """Before: an absolute (or ``..``) manifest entry was opened and checksummed outside the checkpoint."""
+    import json
+
+    from megatron_hsap.training.checkpoint import verify_files
+
+    root = _copy_checkpoint(small_checkpoint, tmp_path)
+    (root / "outside.txt").write_text("x")
+    path = root / "iter_0000001"
+    manifest = json.loads((path / "hsap_manifest.json").read_text())
+    manifest["files"][name] = [1, 0]
+    (path / "hsap_manifest.json").write_text(json.dumps(manifest))
+    problems = [p for rank in range(2) for p in verify_files(str(path), rank, 2)]
+    assert problems == [f"{path}/hsap_manifest.json names {name!r}, outside the checkpoint directory: refusing to "
+                        "read it"]
+
+
+@pytest.mark.parametrize("per_node, error", [(3, True), (2, False), (4, False)])
+def test_hsap_whose_node_size_leaves_no_ulysses_group_is_refused(per_node, error, capsys):
+    """Before: CP 4 with 3 ranks per node ran hsap as a pure ring without a word."""
+    from megatron_hsap.training.arguments import parse_args
+
+    argv = ["--nproc", "4", "--context-parallel-size", "4", "--ranks-per-node", str(per_node)]
+    if not error:
+        assert parse_args(argv).context_parallel_mode == "hsap"
+        return
+    with pytest.raises(SystemExit):
+        parse_args(argv)
+    assert ("--context-parallel-mode hsap with --context-parallel-size 4: 3 ranks per node (--ranks-per-node, or "
+            "the launcher's LOCAL_WORLD_SIZE) leave no Ulysses group of 2 or more CP ranks inside one node, so it "
+            "would run as a pure ring; use a node size that is a multiple of one of [2, 4] ranks") in \
+        capsys.readouterr().err

@@ -400,7 +400,9 @@ def verify_files(path: str, rank: int = 0, world_size: int = 1) -> List[str]:
     for name in sorted(files)[rank::world_size]:
         size, crc = files[name]
         full = os.path.join(path, name)
-        if not os.path.isfile(full):
+        if os.path.isabs(name) or os.path.normpath(name).split(os.sep)[0] == os.pardir:
+            problems.append(f"{manifest_path} names {name!r}, outside the checkpoint directory: refusing to read it")
+        elif not os.path.isfile(full):
             problems.append(f"{full} is missing")
         elif os.path.getsize(full) != size:
             problems.append(f"{full} is truncated or damaged: {os.path.getsize(full)} bytes, {size} written")
@@ -409,8 +411,17 @@ def verify_files(path: str, rank: int = 0, world_size: int = 1) -> List[str]:
     return problems
 
 
-#: Megatron-LM's ``check_checkpoint_args``: flags whose checkpoint values must equal the run's.
-_MODEL_ARGS_CHECKED = ("num_layers", "hidden_size", "num_attention_heads")
+#: Megatron-LM's ``check_checkpoint_args``: flags whose checkpoint values must equal the run's (and the MLP and
+#: grouped-query shapes, which otherwise fail deep inside the load).
+_MODEL_ARGS_CHECKED = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "num_query_groups",
+                       "swiglu")
+
+
+def _model_arg(args: argparse.Namespace, name: str) -> Any:
+    """Flag ``name``'s effective value (``--ffn-hidden-size`` default: 4 x hidden size, as the model builds it)."""
+    if name == "ffn_hidden_size":
+        return args.ffn_hidden_size or 4 * args.hidden_size
+    return getattr(args, name)
 #: The model flags ``--use-checkpoint-args`` takes from the checkpoint (Megatron-LM's ``load_args_from_checkpoint``);
 #: the first group only where the command line left them at their defaults, the second always.
 _ARGS_UNLESS_GIVEN = ("num_layers", "hidden_size", "ffn_hidden_size", "seq_length", "num_attention_heads",
@@ -457,11 +468,14 @@ def _problems(root: str, iteration: int, args: argparse.Namespace) -> Tuple[List
     except Exception as err:  # noqa: BLE001 - any read failure becomes one clear message
         return [f"--load {root!r}: cannot read {path} ({type(err).__name__}: {err})"], {}
     problems: List[str] = []
+    if common.get("iteration") is not None and int(common["iteration"]) != iteration:
+        problems.append(f"--load {root!r}: {path} holds iteration {common['iteration']}, not {iteration} (its "
+                        "directory was renamed or swapped with another): refusing to resume at the wrong iteration")
     saved = common.get("args")
     for name in _MODEL_ARGS_CHECKED if saved is not None else ():
-        if hasattr(saved, name) and getattr(saved, name) != getattr(args, name):
-            problems.append(f"--load {root!r}: --{name.replace('_', '-')} is {getattr(args, name)} but {path} was "
-                            f"written with {getattr(saved, name)} (--use-checkpoint-args takes the checkpoint's)")
+        if hasattr(saved, name) and _model_arg(saved, name) != _model_arg(args, name):
+            problems.append(f"--load {root!r}: --{name.replace('_', '-')} is {_model_arg(args, name)} but {path} was "
+                            f"written with {_model_arg(saved, name)} (--use-checkpoint-args takes the checkpoint's)")
     metadata = common.get("content_metadata") or {}
     sharding = metadata.get("distrib_optim_sharding_type")
     saved_tp_pp = (getattr(saved, "tensor_model_parallel_size", 1), getattr(saved, "pipeline_model_parallel_size", 1))

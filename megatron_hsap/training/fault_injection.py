@@ -8,7 +8,7 @@ at iteration ``<iteration>``:
 | ``kill`` | forward | SIGKILL itself (a crash that leaves no message) |
 | ``stop`` | forward | SIGSTOP itself (a rank that stops advancing without dying) |
 | ``raise`` | forward | raise RuntimeError (an exception in one rank's forward) |
-| ``SIGTERM``, ``SIGUSR1`` | forward | send itself the signal (preemption) |
+| ``SIGTERM``, ``SIGUSR1``, ``SIGINT`` | forward | send itself the signal (preemption; SIGINT: Ctrl-C) |
 | ``parent-SIGTERM``, ``parent-SIGUSR1`` | forward | send the signal to its parent, the ``--nproc`` launcher |
 | ``parent-SIGTERM-in-save``, ``parent-SIGUSR1-in-save`` | save | the same after writing its checkpoint shards |
 | ``nan-attention`` | forward | write NaN into the last local layer's ``linear_qkv`` weight |
@@ -30,6 +30,7 @@ __all__ = ["ENV", "inject", "planned"]
 
 ENV = "HSAP_TEST_FAULT"
 _WHERE = {"kill": "forward", "stop": "forward", "raise": "forward", "SIGTERM": "forward", "SIGUSR1": "forward",
+          "SIGINT": "forward",
           "nan-attention": "forward", "nan-loss": "forward", "kill-in-save": "save",
           "parent-SIGTERM": "forward", "parent-SIGUSR1": "forward",
           "parent-SIGTERM-in-save": "save", "parent-SIGUSR1-in-save": "save", "disk-full-in-save": "before-save"}
@@ -67,7 +68,7 @@ def inject(point: str, iteration: int, model: Optional[List[Any]] = None, loss_m
             os.kill(os.getpid(), signal.SIGSTOP)
         elif kind == "raise":
             raise RuntimeError(f"{ENV}: injected exception in the forward step of iteration {iteration}")
-        elif kind in ("SIGTERM", "SIGUSR1"):
+        elif kind in ("SIGTERM", "SIGUSR1", "SIGINT"):
             os.kill(os.getpid(), getattr(signal, kind))
         elif kind.startswith("parent-"):
             os.kill(os.getppid(), getattr(signal, kind.split("-")[1]))
