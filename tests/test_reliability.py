@@ -503,3 +503,66 @@ def test_hsap_whose_node_size_leaves_no_ulysses_group_is_refused(per_node, error
             "the launcher's LOCAL_WORLD_SIZE) leave no Ulysses group of 2 or more CP ranks inside one node, so it "
             "would run as a pure ring; use a node size that is a multiple of one of [2, 4] ranks") in \
         capsys.readouterr().err
+
+
+# ---------------------------------------------------------------- data checked before it trains
+
+def _damaged_index(tmp_path, how: str) -> str:
+    """A 3-document dataset (3 sequences, document index [0, 1, 2, 3]) with one index entry made wrong."""
+    import numpy as np
+
+    from tests.test_fault_tolerance import DOCS, _dataset
+
+    prefix = _dataset(tmp_path, "d", DOCS, 512)
+    idx = prefix + ".idx"
+    sequences, header = 3, 34
+    if how == "extra-documents":  # the header claims a fifth document boundary, appended past the end
+        with open(idx, "r+b") as f:
+            f.seek(26)
+            f.write((5).to_bytes(8, "little"))
+            f.seek(0, 2)
+            f.write((7).to_bytes(8, "little"))
+        return prefix
+    dtype, offset, count, value = {
+        "negative-size": (np.int32, header, sequences, -5),
+        "pointer-past-end": (np.int64, header + 4 * sequences, sequences, os.path.getsize(prefix + ".bin") + 64),
+        "wild-document-index": (np.int64, header + 12 * sequences, sequences + 1, 1 << 40)}[how]
+    entries = np.memmap(idx, dtype=dtype, mode="r+", offset=offset, shape=(count,))
+    entries[1] = value
+    entries.flush()
+    return prefix
+
+
+@pytest.mark.parametrize("how, message", [
+    ("negative-size", r"sequence 1 has a negative size \(-5 tokens; 1 such\)"),
+    ("pointer-past-end", r"sequence 1 \(\d+ tokens at byte \d+; 1 such\) lies outside .*d\.bin"),
+    ("wild-document-index", "document-index entry 1 is 1099511627776; the entries must rise from 0 to the sequence "
+                            r"count \(3\)"),
+    ("extra-documents", r"document-index entry 4 is 7; the entries must rise from 0 to the sequence count \(3\)"),
+])
+def test_index_entries_are_checked_against_the_bin_before_training(tmp_path, how, message):
+    """Before: these trained with exit 0, or (a pointer past the end) failed only at the iteration that read it,
+    without naming the file."""
+    from megatron_hsap.training.dataset_check import check_indexed_dataset
+
+    prefix = _damaged_index(tmp_path, how)
+    with pytest.raises(ValueError, match=re.escape(prefix + ".idx") + ": " + message):
+        check_indexed_dataset(prefix)
+
+
+def test_data_cache_is_keyed_by_the_datasets_content(tmp_path):
+    """Before: the sample-index cache was named after the configuration alone, so a dataset rewritten at the
+    same prefix trained on the stale indices (or raised IndexError)."""
+    from megatron_hsap.training.arguments import parse_args
+    from megatron_hsap.training.data import dataset_config
+    from megatron_hsap.training.tokenizer import build_tokenizer
+    from tests.test_fault_tolerance import DOCS, _dataset
+
+    prefix = _dataset(tmp_path, "d", DOCS, 512)
+    args = parse_args(["--nproc", "1", "--data-path", prefix, "--tokenizer-type", "NullTokenizer", "--vocab-size",
+                       "512", "--data-cache-path", str(tmp_path / "cache")])
+    tokenizer = build_tokenizer("NullTokenizer", None, 512, None, None, None)
+    first = dataset_config(args, tokenizer, args.data_path).path_to_cache
+    assert dataset_config(args, tokenizer, args.data_path).path_to_cache == first  # same files: the same cache
+    _dataset(tmp_path, "d", DOCS[::-1], 512)  # the same sizes, another document order
+    assert dataset_config(args, tokenizer, args.data_path).path_to_cache != first

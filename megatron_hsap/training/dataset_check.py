@@ -87,8 +87,9 @@ def _check_sizes_and_documents(idx: str, sizes: numpy.ndarray, doc_idx: numpy.nd
         raise ValueError(f"{idx}: sequence {i} has a negative size ({int(sizes[i])} tokens; {len(negative)} such): "
                          "the index is damaged; rebuild it with tools/preprocess_data.py")
     if len(doc_idx):
+        wild = numpy.flatnonzero((doc_idx < 0) | (doc_idx > sequences))
         falls = numpy.flatnonzero(numpy.diff(doc_idx) < 0)
-        wrong = (0 if doc_idx[0] != 0 else int(falls[0]) + 1 if len(falls)
+        wrong = (int(wild[0]) if len(wild) else 0 if doc_idx[0] != 0 else int(falls[0]) + 1 if len(falls)
                  else len(doc_idx) - 1 if doc_idx[-1] != sequences else None)
         if wrong is not None:
             raise ValueError(f"{idx}: document-index entry {wrong} is {int(doc_idx[wrong])}; the entries must rise "
