@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import subprocess
 import time
 
@@ -79,10 +80,15 @@ def test_stall_watchdog_names_the_stopped_rank_and_prints_every_stack(cache_dir)
     ("parent-SIGTERM@0:2", 2),  # during a forward
     ("parent-SIGTERM-in-save@0:1,parent-SIGTERM-in-save@1:1", 2),  # two SIGTERMs during the first save
     ("parent-SIGUSR1-in-save@1:2", 3),  # during a periodic save
-], ids=["SIGTERM", "two-SIGTERMs-in-first-save", "SIGUSR1-in-periodic-save"])
+    ("parent-SIGUSR1@1:2", 2),  # during a forward
+    ("group-SIGUSR1@1:2", 2),  # to a rank and every helper it started (as a cluster signalling all processes)
+    ("group-SIGTERM@0:2", 2),
+], ids=["SIGTERM", "two-SIGTERMs-in-first-save", "SIGUSR1-in-periodic-save", "SIGUSR1-in-forward",
+        "SIGUSR1-to-rank-and-helpers", "SIGTERM-to-rank-and-helpers"])
 def test_signal_to_the_launcher_leaves_a_complete_preemption_checkpoint(tmp_path, cache_dir, fault, saved):
-    """The launcher passes the signal to the rank processes only: the helpers of the checkpoint writer they
-    started (megatron-core's Manager) live on, and every rank saves and exits 0."""
+    """The launcher passes the signal to the rank processes only, and the helpers the ranks started block it
+    (``rank_helpers``): the checkpoint writer's Manager lives on, and every rank saves and exits 0. Before: the
+    signal to every process of a rank killed its Manager, and the save failed (BrokenPipeError, exit 1)."""
     ckpt = tmp_path / "ckpt"
     result = _run(TINY + ["--context-parallel-size", "2", "--train-iters", "5", "--data-cache-path", cache_dir,
                           "--save", str(ckpt), "--save-interval", "1", "--exit-signal-handler"], 2,
@@ -566,3 +572,71 @@ def test_data_cache_is_keyed_by_the_datasets_content(tmp_path):
     assert dataset_config(args, tokenizer, args.data_path).path_to_cache == first  # same files: the same cache
     _dataset(tmp_path, "d", DOCS[::-1], 512)  # the same sizes, another document order
     assert dataset_config(args, tokenizer, args.data_path).path_to_cache != first
+
+
+
+# ---------------------------------------------------------------- no orphans
+
+def _descendants(pid: int) -> list:
+    """Every living descendant of ``pid`` (from /proc: the parent of each process)."""
+    from tests.test_fault_tolerance import _alive
+
+    children: dict = {}
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                children.setdefault(int(f.read().rsplit(")", 1)[1].split()[1]), []).append(int(entry))
+        except (OSError, IndexError):
+            continue
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return [p for p in found if _alive(p)]
+
+
+def _command_line(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def test_sigkill_of_the_launcher_leaves_no_process_behind(tmp_path, cache_dir):
+    """Ranks, the checkpoint writer's spawned Manager and Python's resource tracker all die with the launcher.
+    Before: the Manager and the resource tracker were alive 60 s later."""
+    from tests.cli_runs import _script_main, forkserver_context
+    from tests.test_fault_tolerance import _alive
+    from tests.test_training_pretrain import ROOT, SCRIPT
+
+    ckpt = tmp_path / "ckpt"
+    argv = ["--nproc", "2"] + TINY + ["--context-parallel-size", "2", "--train-iters", "200", "--data-cache-path",
+                                      cache_dir, "--save", str(ckpt), "--save-interval", "1"]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    env.pop("RANK", None)
+    env.pop("WORLD_SIZE", None)
+    launcher = forkserver_context().Process(target=_script_main, name="hsap-test-cli", args=(
+        SCRIPT, argv, env, ROOT, str(tmp_path / "stdout"), str(tmp_path / "stderr")))
+    launcher.start()
+    try:
+        deadline = time.monotonic() + HANG_SECONDS
+        while not (ckpt / "latest_checkpointed_iteration.txt").exists():  # the first save started the helpers
+            assert launcher.is_alive() and time.monotonic() < deadline, (tmp_path / "stderr").read_text()[-3000:]
+            time.sleep(0.05)
+        processes = _descendants(launcher.pid)
+        helpers = [p for p in processes if "spawn_main" in _command_line(p) or "resource_tracker" in
+                   _command_line(p)]
+        assert helpers, [_command_line(p) for p in processes]  # the Manager (and the tracker) exist
+        os.kill(launcher.pid, signal.SIGKILL)
+        deadline = time.monotonic() + 5
+        while any(map(_alive, processes)) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        survivors = [(p, _command_line(p)) for p in processes if _alive(p)]
+    finally:
+        launcher.kill()
+        launcher.join()
+        for pid in _descendants(launcher.pid):
+            os.kill(pid, signal.SIGKILL)
+    assert survivors == [], survivors

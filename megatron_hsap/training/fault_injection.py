@@ -10,6 +10,7 @@ at iteration ``<iteration>``:
 | ``raise`` | forward | raise RuntimeError (an exception in one rank's forward) |
 | ``SIGTERM``, ``SIGUSR1``, ``SIGINT`` | forward | send itself the signal (preemption; SIGINT: Ctrl-C) |
 | ``parent-SIGTERM``, ``parent-SIGUSR1`` | forward | send the signal to its parent, the ``--nproc`` launcher |
+| ``group-SIGTERM``, ``group-SIGUSR1`` | forward | send the signal to its process group: itself and its helpers |
 | ``parent-SIGTERM-in-save``, ``parent-SIGUSR1-in-save`` | save | the same after writing its checkpoint shards |
 | ``nan-attention`` | forward | write NaN into the last local layer's ``linear_qkv`` weight |
 | ``nan-loss`` | forward | write NaN into the micro-batch's loss mask |
@@ -30,7 +31,7 @@ __all__ = ["ENV", "inject", "planned"]
 
 ENV = "HSAP_TEST_FAULT"
 _WHERE = {"kill": "forward", "stop": "forward", "raise": "forward", "SIGTERM": "forward", "SIGUSR1": "forward",
-          "SIGINT": "forward",
+          "SIGINT": "forward", "group-SIGTERM": "forward", "group-SIGUSR1": "forward",
           "nan-attention": "forward", "nan-loss": "forward", "kill-in-save": "save",
           "parent-SIGTERM": "forward", "parent-SIGUSR1": "forward",
           "parent-SIGTERM-in-save": "save", "parent-SIGUSR1-in-save": "save", "disk-full-in-save": "before-save"}
@@ -72,6 +73,8 @@ def inject(point: str, iteration: int, model: Optional[List[Any]] = None, loss_m
             os.kill(os.getpid(), getattr(signal, kind))
         elif kind.startswith("parent-"):
             os.kill(os.getppid(), getattr(signal, kind.split("-")[1]))
+        elif kind.startswith("group-"):
+            os.killpg(0, getattr(signal, kind.split("-")[1]))
         elif kind == "nan-loss":
             loss_mask.fill_(float("nan"))
         elif kind == "nan-attention":
