@@ -81,7 +81,7 @@ def test_stall_watchdog_names_the_stopped_rank_and_prints_every_stack(cache_dir)
     ("parent-SIGTERM-in-save@0:1,parent-SIGTERM-in-save@1:1", 2),  # two SIGTERMs during the first save
     ("parent-SIGUSR1-in-save@1:2", 3),  # during a periodic save
     ("parent-SIGUSR1@1:2", 2),  # during a forward
-    ("group-SIGUSR1@1:2", 2),  # to a rank and every helper it started (as a cluster signalling all processes)
+    ("group-SIGUSR1@0:2", 2),  # to a rank and every helper it started (as a cluster signalling all processes)
     ("group-SIGTERM@0:2", 2),
 ], ids=["SIGTERM", "two-SIGTERMs-in-first-save", "SIGUSR1-in-periodic-save", "SIGUSR1-in-forward",
         "SIGUSR1-to-rank-and-helpers", "SIGTERM-to-rank-and-helpers"])
