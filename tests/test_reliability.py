@@ -640,3 +640,48 @@ def test_sigkill_of_the_launcher_leaves_no_process_behind(tmp_path, cache_dir):
         for pid in _descendants(launcher.pid):
             os.kill(pid, signal.SIGKILL)
     assert survivors == [], survivors
+
+
+# ---------------------------------------------------------------- the plan cache is bounded in bytes
+
+def test_plan_cache_is_bounded_in_bytes():
+    """Before: 64 entries whatever their size (a zigzag plan of 10^5 short documents is tens of MB)."""
+    import numpy as np
+
+    from megatron_hsap.sequence.plan_cache import PlanCache
+
+    cache = PlanCache(max_bytes=1000)
+    for key in "abc":
+        cache.put(key, np.zeros(50, np.int64))  # 400 bytes each
+    assert list(cache._entries) == ["b", "c"] and cache.bytes == 800
+    assert cache.get("b") is not None  # now the most recently used: "c" goes next
+    cache.put("d", np.zeros(50, np.int64))
+    assert list(cache._entries) == ["b", "d"]
+    cache.put("huge", np.zeros(200, np.int64))  # 1600 bytes: larger than the budget, not kept
+    assert "huge" not in cache and cache.bytes == 800
+    cache.put("b", np.zeros(100, np.int64))  # replaced by 800 bytes: its old 400 freed, "d" evicted
+    assert cache.bytes == 800 and list(cache._entries) == ["b"]
+
+
+def test_training_plan_cache_holds_at_most_its_budget():
+    import torch
+
+    from megatron_hsap.parallel_state import CPTopology
+    from megatron_hsap.sequence.doc_lengths import cu_seqlens_from_lengths
+    from megatron_hsap.sequence.plan import PLAN_CACHE, PLAN_CACHE_BYTES, plan_batch
+    from megatron_hsap.training.arguments import parse_args
+
+    assert parse_args(["--nproc", "1", "--plan-cache-mb", "0.5"]).plan_cache_mb == 0.5
+    assert parse_args(["--nproc", "1"]).plan_cache_mb * (1 << 20) == PLAN_CACHE_BYTES
+    topology = CPTopology.offline(8, 2, 4)
+    budget = 6 << 20
+    PLAN_CACHE.clear()
+    PLAN_CACHE.set_max_bytes(budget)
+    try:
+        for extra in range(6):  # six batches of 5000 short documents: about 2 MB of plan each
+            plan_batch(cu_seqlens_from_lengths([16] * 5000 + [16 + extra]), topology, "zigzag")
+            assert 0 < PLAN_CACHE.bytes <= budget
+        assert 1 <= len(PLAN_CACHE) < 6
+    finally:
+        PLAN_CACHE.set_max_bytes(PLAN_CACHE_BYTES)
+        PLAN_CACHE.clear()

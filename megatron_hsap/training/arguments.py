@@ -23,6 +23,7 @@ import sys
 from typing import List, Optional
 
 from megatron_hsap.config import KERNELS, LAYOUTS, MODES, ContextParallelConfig
+from megatron_hsap.sequence.plan import PLAN_CACHE_BYTES
 from megatron_hsap.training.dataset_check import check_indexed_dataset
 from megatron_hsap.training.tokenizer import TOKENIZER_TYPES, check_tokenizer_args, resolve_tokenizer_type
 
@@ -267,6 +268,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--eod-mask-loss", action="store_true", help="no loss on EOD input tokens")
     g.add_argument("--data-cache-path", default=None,
                    help="where dataset indices and the embedded corpus are cached (default ~/.cache/megatron_hsap)")
+    g.add_argument("--plan-cache-mb", type=_non_negative_float, default=PLAN_CACHE_BYTES / (1 << 20),
+                   help="memory per process for cached sequence plans (least recently used evicted; a batch of many "
+                        "short documents has a plan of tens of MB); 0 caches none")
     g.add_argument("--num-workers", type=_non_negative_int, default=2,
                    help="data-loader worker processes that read and plan the micro-batches ahead (as Megatron-LM's, "
                         "default 2); 0: read in the training process and plan in a thread there")
