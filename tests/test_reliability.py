@@ -664,8 +664,6 @@ def test_plan_cache_is_bounded_in_bytes():
 
 
 def test_training_plan_cache_holds_at_most_its_budget():
-    import torch
-
     from megatron_hsap.parallel_state import CPTopology
     from megatron_hsap.sequence.doc_lengths import cu_seqlens_from_lengths
     from megatron_hsap.sequence.plan import PLAN_CACHE, PLAN_CACHE_BYTES, plan_batch

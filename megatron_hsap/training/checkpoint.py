@@ -29,6 +29,11 @@ current flags, so a checkpoint loads whichever way it was written.
 
 As Megatron-LM, a ``--load`` directory that is missing, empty or without a tracker starts
 from scratch with a rank-0 warning.
+
+Trust (``checkpoint_trust``): every pickle in a checkpoint is read through an allow-list, on every
+rank, before the load, and megatron-core's load runs with the same allow-lists, so a crafted file
+stops the run naming it instead of running code. The iteration stored in the checkpoint must match
+its directory's, and the manifest names files inside the checkpoint only.
 """
 
 from __future__ import annotations
