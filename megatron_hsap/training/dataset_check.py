@@ -132,6 +132,9 @@ def dataset_fingerprint(prefixes: List[str]) -> str:
     and modification time, and a hash of each ``.idx`` (sequence sizes, pointers, document boundaries)."""
     digest = hashlib.blake2b(digest_size=8)
     for prefix in prefixes:
+        if not (os.path.isfile(prefix + ".idx") and os.path.isfile(prefix + ".bin")):
+            digest.update(f"{prefix}: missing;".encode())  # the dataset builder names it
+            continue
         for ext in (".idx", ".bin"):
             stat = os.stat(prefix + ext)
             digest.update(f"{prefix}{ext}:{stat.st_size}:{stat.st_mtime_ns};".encode())
