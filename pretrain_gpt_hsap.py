@@ -44,9 +44,16 @@ def run_rank(args: argparse.Namespace) -> int:
         if not isinstance(err, (ValueError, RuntimeError)):
             traceback.print_exc()
         sys.stderr.flush()  # then the line in one write: the lines of several failing ranks never interleave
-        os.write(sys.stderr.fileno(), f"pretrain_gpt_hsap.py: error: {where}: {err}\n".encode())
+        os.write(sys.stderr.fileno(), f"pretrain_gpt_hsap.py: error: {where}: {error_text(err)}\n".encode())
         return 2 if isinstance(err, ValueError) else 1
     return 0
+
+
+def error_text(err: BaseException) -> str:
+    """What went wrong, never empty: an exception without a message is named by its type (SIGINT by the signal)."""
+    if isinstance(err, KeyboardInterrupt):
+        return "interrupted by SIGINT (KeyboardInterrupt)" + (f": {err}" if str(err) else "")
+    return str(err) or f"{type(err).__name__} (raised without a message)"
 
 
 def main() -> int:

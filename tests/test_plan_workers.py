@@ -80,13 +80,13 @@ def test_plan_cache_is_bounded_and_evicts_the_least_recently_used():
         cache.put(6, None)
 
 
-def test_plan_batch_keeps_64_plans_and_uses_inserted_plan_data(monkeypatch):
+def test_plan_batch_keeps_plans_within_its_byte_budget_and_uses_inserted_plan_data(monkeypatch):
     topology = CPTopology.offline(2, 1, 2)
     PLAN_CACHE.clear()
-    assert PLAN_CACHE.maxsize == 64
-    for n in range(1, 71):  # 70 distinct length signatures
+    assert (PLAN_CACHE.maxsize, PLAN_CACHE.max_bytes) == (None, plan_module.PLAN_CACHE_BYTES)
+    for n in range(1, 71):  # 70 distinct length signatures, small plans: all kept (the bound is in bytes)
         plan_batch(cu_seqlens_from_lengths([n, 2]), topology, "zigzag")
-    assert len(PLAN_CACHE) == 64 and PLAN_CACHE.misses == 70
+    assert len(PLAN_CACHE) == 70 and PLAN_CACHE.misses == 70
     # Plan data built elsewhere (a worker) is what plan_batch then returns, without planning.
     cu = cu_seqlens_from_lengths([5, 9, 2])
     key = plan_module.plan_key(cu, topology.signature(), "contiguous")

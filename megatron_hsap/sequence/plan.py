@@ -199,8 +199,10 @@ def build_plan_data(doc_lengths: Tuple[int, ...], topology_signature: tuple, lay
 
 #: (document lengths, topology signature, layout, cost model, placement config): ``build_plan_data``'s arguments.
 PlanKey = Tuple[Tuple[int, ...], Tuple[int, int, Tuple[int, ...]], str, Optional[CostModel], Optional[PlacementConfig]]
-#: The plans' rank-independent data by ``plan_key``: 64 entries, least recently used evicted.
-PLAN_CACHE: PlanCache = PlanCache(maxsize=64)
+#: The plans' rank-independent data by ``plan_key``: up to ``PLAN_CACHE_BYTES`` (the training script's
+#: ``--plan-cache-mb``), least recently used evicted.
+PLAN_CACHE_BYTES = 256 << 20
+PLAN_CACHE: PlanCache = PlanCache(max_bytes=PLAN_CACHE_BYTES)
 
 
 def plan_key(cu_seqlens: torch.Tensor, topology_signature: Tuple[int, int, Tuple[int, ...]], layout: str,

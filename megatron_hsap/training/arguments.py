@@ -23,6 +23,7 @@ import sys
 from typing import List, Optional
 
 from megatron_hsap.config import KERNELS, LAYOUTS, MODES, ContextParallelConfig
+from megatron_hsap.sequence.plan import PLAN_CACHE_BYTES
 from megatron_hsap.training.dataset_check import check_indexed_dataset
 from megatron_hsap.training.tokenizer import TOKENIZER_TYPES, check_tokenizer_args, resolve_tokenizer_type
 
@@ -267,6 +268,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--eod-mask-loss", action="store_true", help="no loss on EOD input tokens")
     g.add_argument("--data-cache-path", default=None,
                    help="where dataset indices and the embedded corpus are cached (default ~/.cache/megatron_hsap)")
+    g.add_argument("--plan-cache-mb", type=_non_negative_float, default=PLAN_CACHE_BYTES / (1 << 20),
+                   help="memory per process for cached sequence plans (least recently used evicted; a batch of many "
+                        "short documents has a plan of tens of MB); 0 caches none")
     g.add_argument("--num-workers", type=_non_negative_int, default=2,
                    help="data-loader worker processes that read and plan the micro-batches ahead (as Megatron-LM's, "
                         "default 2); 0: read in the training process and plan in a thread there")
@@ -477,7 +481,7 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
         from megatron_hsap.training.auto_mode import resolve_auto_mode
 
         args.compat_notes.append(resolve_auto_mode(args))
-    cp_config_from_args(args)
+    _check_ulysses_fits_a_node(args, world_size)
     resolve_sequence_chunks(args)
     if args.ignored_flags:
         args.compat_notes.append(f"ignored on this path: {', '.join(args.ignored_flags)}")
@@ -642,6 +646,26 @@ def _is_number(text: str) -> bool:
     except ValueError:
         return False
     return True
+
+
+def _check_ulysses_fits_a_node(args: argparse.Namespace, world_size: int) -> None:
+    """hsap/hybrid choose their Ulysses size from the node size: refuse a node size that leaves no Ulysses
+    group of two or more CP ranks inside a node though CP ranks share nodes (it would silently run as a ring)."""
+    cp_config = cp_config_from_args(args)
+    cp = args.context_parallel_size
+    if args.context_parallel_mode not in ("hsap", "hybrid") or cp == 1 or args.ulysses_size is not None:
+        return
+    from megatron_hsap.parallel_state import cp_layout
+
+    per_node = args.ranks_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    _, nodes, ulysses = cp_layout(0, args.tensor_model_parallel_size, cp, per_node, cp_config)
+    if ulysses == 1 and len(set(nodes)) < cp:
+        fits = [n * args.tensor_model_parallel_size for n in range(2, cp + 1) if cp % n == 0]
+        raise ValueError(f"--context-parallel-mode {args.context_parallel_mode} with --context-parallel-size {cp}: "
+                         f"{per_node} ranks per node (--ranks-per-node, or the launcher's LOCAL_WORLD_SIZE) leave "
+                         "no Ulysses group of 2 or more CP ranks inside one node, so it would run as a pure ring; "
+                         f"use a node size that is a multiple of one of {fits} ranks, --ulysses-size, or "
+                         "--context-parallel-mode ring")
 
 
 def cp_config_from_args(args: argparse.Namespace) -> ContextParallelConfig:

@@ -29,6 +29,11 @@ current flags, so a checkpoint loads whichever way it was written.
 
 As Megatron-LM, a ``--load`` directory that is missing, empty or without a tracker starts
 from scratch with a rank-0 warning.
+
+Trust (``checkpoint_trust``): every pickle in a checkpoint is read through an allow-list, on every
+rank, before the load, and megatron-core's load runs with the same allow-lists, so a crafted file
+stops the run naming it instead of running code. The iteration stored in the checkpoint must match
+its directory's, and the manifest names files inside the checkpoint only.
 """
 
 from __future__ import annotations
@@ -48,8 +53,10 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
 
 from megatron_hsap.training import fault_injection
+from megatron_hsap.training.checkpoint_trust import check_pickles, load_common, restricted_loading
 from megatron_hsap.training.save_lock import LOCK_FILE
 
 __all__ = ["save_checkpoint", "load_checkpoint", "load_args_from_checkpoint", "latest_iteration", "verify_files",
@@ -147,16 +154,6 @@ def _restore_rng(states: List[Dict[str, Any]]) -> bool:
         torch.cuda.set_rng_state(state["cuda_rng_state"])
     tensor_parallel.get_cuda_rng_tracker().set_states(state["rng_tracker_states"])
     return True
-
-
-@contextlib.contextmanager
-def _trusted_pickles() -> Iterator[None]:
-    """Let ``torch.load`` (weights-only by default) read the non-tensor objects of our own checkpoints:
-    the ``args`` namespace and numpy's RNG state, as written by Megatron-LM too."""
-    core = getattr(np, "_core", None) or np.core
-    with torch.serialization.safe_globals([argparse.Namespace, np.ndarray, np.dtype, type(np.dtype(np.uint32)),
-                                           core.multiarray._reconstruct]):
-        yield
 
 
 def _init_optimizer_state(optimizer: Any) -> None:
@@ -291,10 +288,47 @@ def save_checkpoint(root: str, iteration: int, model: List[Any], optimizer: Any,
         os.makedirs(staging)
     dist.barrier()
     metadata = _content_metadata(args)
-    dist_checkpointing.save(_state_dict(args, model, optimizer, scheduler, iteration, metadata, rng=True,
-                                        is_loading=False), staging, content_metadata=metadata)
+    fault_injection.inject("before-save", iteration)
+    try:
+        dist_checkpointing.save(_state_dict(args, model, optimizer, scheduler, iteration, metadata, rng=True,
+                                            is_loading=False), staging, content_metadata=metadata)
+    except CheckpointException as err:  # a BaseException: its message lists ranks, not the cause
+        raise RuntimeError(f"--save {root!r}: saving iteration {iteration} into {staging} failed: "
+                           f"{_checkpoint_failure(err)}") from None
     fault_injection.inject("save", iteration)
     dist.barrier()
+    try:
+        _complete_save(root, staging, final, iteration, rank, world)
+    except OSError as err:
+        raise RuntimeError(f"--save {root!r}: completing iteration {iteration}'s checkpoint failed: "
+                           f"{_os_error(err)}") from None
+    dist.barrier()
+    return final
+
+
+def _os_error(err: OSError) -> str:
+    """``err`` as 'No space left on device: <path>' (its description and file), else its text."""
+    if err.strerror and err.filename:
+        return f"{err.strerror}: {err.filename}"
+    return f"{type(err).__name__}: {err}"
+
+
+def _checkpoint_failure(err: BaseException) -> str:
+    """The causes inside torch's ``CheckpointException`` (rank -> (exception, traceback)), one per rank; an
+    OS error as its description and file, also when megatron-core's writer passed it on as text."""
+    causes = []
+    for rank, (exc, _) in sorted(getattr(err, "failures", {}).items()):
+        while not isinstance(exc, OSError) and (exc.__cause__ or exc.__context__) is not None:
+            exc = exc.__cause__ or exc.__context__
+        os_error = re.search(r"\[Errno \d+\] ([^:]+): '([^']+)'", str(exc))
+        cause = (_os_error(exc) if isinstance(exc, OSError) else f"{os_error.group(1)}: {os_error.group(2)}"
+                 if os_error else f"{type(exc).__name__}: {exc}")
+        causes.append(f"rank {rank}: {cause}")
+    return "; ".join(causes) or "on another rank (its error names the cause)"
+
+
+def _complete_save(root: str, staging: str, final: str, iteration: int, rank: int, world: int) -> None:
+    """The manifest (every rank checksums its share, rank 0 writes it), the rename to ``final`` and the tracker."""
     names = _files(staging)
     mine = {name: [os.path.getsize(os.path.join(staging, name)), _crc32(os.path.join(staging, name))]
             for name in names[rank::world]}
@@ -314,8 +348,6 @@ def save_checkpoint(root: str, iteration: int, model: List[Any], optimizer: Any,
         write_tracker(root, iteration)
         if os.path.exists(replaced):
             shutil.rmtree(replaced)
-    dist.barrier()
-    return final
 
 
 def latest_iteration(root: str) -> Optional[int]:
@@ -373,7 +405,9 @@ def verify_files(path: str, rank: int = 0, world_size: int = 1) -> List[str]:
     for name in sorted(files)[rank::world_size]:
         size, crc = files[name]
         full = os.path.join(path, name)
-        if not os.path.isfile(full):
+        if os.path.isabs(name) or os.path.normpath(name).split(os.sep)[0] == os.pardir:
+            problems.append(f"{manifest_path} names {name!r}, outside the checkpoint directory: refusing to read it")
+        elif not os.path.isfile(full):
             problems.append(f"{full} is missing")
         elif os.path.getsize(full) != size:
             problems.append(f"{full} is truncated or damaged: {os.path.getsize(full)} bytes, {size} written")
@@ -382,8 +416,17 @@ def verify_files(path: str, rank: int = 0, world_size: int = 1) -> List[str]:
     return problems
 
 
-#: Megatron-LM's ``check_checkpoint_args``: flags whose checkpoint values must equal the run's.
-_MODEL_ARGS_CHECKED = ("num_layers", "hidden_size", "num_attention_heads")
+#: Megatron-LM's ``check_checkpoint_args``: flags whose checkpoint values must equal the run's (and the MLP and
+#: grouped-query shapes, which otherwise fail deep inside the load).
+_MODEL_ARGS_CHECKED = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "num_query_groups",
+                       "swiglu")
+
+
+def _model_arg(args: argparse.Namespace, name: str) -> Any:
+    """Flag ``name``'s effective value (``--ffn-hidden-size`` default: 4 x hidden size, as the model builds it)."""
+    if name == "ffn_hidden_size":
+        return args.ffn_hidden_size or 4 * args.hidden_size
+    return getattr(args, name)
 #: The model flags ``--use-checkpoint-args`` takes from the checkpoint (Megatron-LM's ``load_args_from_checkpoint``);
 #: the first group only where the command line left them at their defaults, the second always.
 _ARGS_UNLESS_GIVEN = ("num_layers", "hidden_size", "ffn_hidden_size", "seq_length", "num_attention_heads",
@@ -394,10 +437,7 @@ _ARGS_ALWAYS = ("num_query_groups", "position_embedding_type", "rotary_base", "d
 
 def _read_common(path: str) -> Dict[str, Any]:
     """The checkpoint's non-sharded objects (``args``, ``iteration``, content metadata, ...); a file read only."""
-    from megatron.core import dist_checkpointing
-
-    with _trusted_pickles():
-        return dist_checkpointing.load_common_state_dict(path)
+    return load_common(path)
 
 
 def load_args_from_checkpoint(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
@@ -425,16 +465,22 @@ def _problems(root: str, iteration: int, args: argparse.Namespace) -> Tuple[List
     """What is wrong with loading ``iteration``'s (verified) files under ``args``, and the checkpoint's common
     state (empty when unreadable)."""
     path = _iter_dir(root, iteration)
+    unsafe = check_pickles(path)  # before anything else is read from the checkpoint
+    if unsafe:
+        return [f"--load {root!r}: {p}" for p in unsafe], {}
     try:
         common = _read_common(path)
     except Exception as err:  # noqa: BLE001 - any read failure becomes one clear message
         return [f"--load {root!r}: cannot read {path} ({type(err).__name__}: {err})"], {}
     problems: List[str] = []
+    if common.get("iteration") is not None and int(common["iteration"]) != iteration:
+        problems.append(f"--load {root!r}: {path} holds iteration {common['iteration']}, not {iteration} (its "
+                        "directory was renamed or swapped with another): refusing to resume at the wrong iteration")
     saved = common.get("args")
     for name in _MODEL_ARGS_CHECKED if saved is not None else ():
-        if hasattr(saved, name) and getattr(saved, name) != getattr(args, name):
-            problems.append(f"--load {root!r}: --{name.replace('_', '-')} is {getattr(args, name)} but {path} was "
-                            f"written with {getattr(saved, name)} (--use-checkpoint-args takes the checkpoint's)")
+        if hasattr(saved, name) and _model_arg(saved, name) != _model_arg(args, name):
+            problems.append(f"--load {root!r}: --{name.replace('_', '-')} is {_model_arg(args, name)} but {path} was "
+                            f"written with {_model_arg(saved, name)} (--use-checkpoint-args takes the checkpoint's)")
     metadata = common.get("content_metadata") or {}
     sharding = metadata.get("distrib_optim_sharding_type")
     saved_tp_pp = (getattr(saved, "tensor_model_parallel_size", 1), getattr(saved, "pipeline_model_parallel_size", 1))
@@ -458,9 +504,12 @@ def _read_and_apply(root: str, path: str, iteration: int, model: List[Any], opti
     from megatron.core import dist_checkpointing
 
     try:
-        with _trusted_pickles():
+        with restricted_loading():
             state = dist_checkpointing.load(_state_dict(args, model, optimizer, scheduler, iteration, metadata,
                                                         rng=rng, is_loading=True), path)
+    except CheckpointException as err:  # a BaseException: its message lists ranks, not the cause
+        raise RuntimeError(f"--load {root!r}: failed to read iteration {iteration}: "
+                           f"{_checkpoint_failure(err)}") from None
     except Exception as err:  # noqa: BLE001 - any read failure becomes one clear message
         raise RuntimeError(f"--load {root!r}: failed to read iteration {iteration}: "
                            f"{type(err).__name__}: {err}") from err
@@ -540,7 +589,9 @@ def load_checkpoint(root: str, model: List[Any], optimizer: Any, scheduler: Any,
         return 0
     path = _iter_dir(root, iteration)
     if not os.path.isfile(os.path.join(path, _MANIFEST)):
-        notes.append(f"note: {path} has no {_MANIFEST} (written by another tool); its files are not verified")
+        notes.append(f"note: {path} has no {_MANIFEST}: unverified (written by another tool, or the manifest was "
+                     "removed): its files' sizes and CRC-32s are not checked (its pickles still go through the "
+                     "allow-list, docs/training.md 'Trust model')")
     saved = common.get("args")
     metadata = dist_checkpointing.load_content_metadata(preloaded_state_dict=common) or {}
     load_optim = not (args.no_load_optim or args.finetune)

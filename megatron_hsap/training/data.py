@@ -7,8 +7,8 @@ Sample order follows Megatron's pretraining sampler: iteration ``i``, micro-batc
 ``i*GBS + (m*DP + d)*MBS ... + MBS``, so a run resumed at iteration k reads exactly
 what the uninterrupted run read, whatever the TP/PP/CP sizes.
 
-Bad data stops the run before training (``dataset_check``: damaged files, token ids
-beyond the vocabulary) and, should anything slip through, before the embedding
+Bad data stops the run before training (``dataset_check``: damaged files, index entries outside
+the ``.bin``, token ids beyond the vocabulary) and, should anything slip through, before the embedding
 (``micro_batches`` checks every micro-batch's ids).
 """
 
@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from megatron_hsap.training.arguments import data_path_prefixes
 from megatron_hsap.training.corpus import default_cache_dir, ensure_stdlib_corpus
-from megatron_hsap.training.dataset_check import check_token_ids
+from megatron_hsap.training.dataset_check import check_token_ids, dataset_fingerprint
 
 __all__ = ["dataset_config", "split_sizes", "build_datasets", "micro_batch_indices", "micro_batch_at",
            "micro_batches"]
@@ -47,9 +47,15 @@ def dataset_config(args: argparse.Namespace, tokenizer: Any, data_path: Optional
     else:
         blend, split, blend_per_split = (get_blend_from_list(data_path) if data_path else None), args.split, None
     cache = args.data_cache_path or default_cache_dir()
+    # Megatron-Core names its cached sample indices after the configuration, not the files' content: keyed
+    # by the datasets' fingerprint too, a dataset rewritten at the same prefix gets new indices.
+    prefixes = [p for path in (data_path, args.valid_data_path, args.test_data_path) if path
+                for p in data_path_prefixes(path)]
+    indices = os.path.join(cache, "indices", dataset_fingerprint(prefixes)) if prefixes else os.path.join(cache,
+                                                                                                          "indices")
     return GPTDatasetConfig(
         random_seed=args.seed, sequence_length=args.seq_length, blend=blend, blend_per_split=blend_per_split,
-        split=split, path_to_cache=os.path.join(cache, "indices"), tokenizer=tokenizer,
+        split=split, path_to_cache=indices, tokenizer=tokenizer,
         reset_position_ids=args.reset_attention_mask, reset_attention_mask=args.reset_attention_mask,
         eod_mask_loss=args.eod_mask_loss, create_attention_mask=False)
 

@@ -8,12 +8,14 @@ at iteration ``<iteration>``:
 | ``kill`` | forward | SIGKILL itself (a crash that leaves no message) |
 | ``stop`` | forward | SIGSTOP itself (a rank that stops advancing without dying) |
 | ``raise`` | forward | raise RuntimeError (an exception in one rank's forward) |
-| ``SIGTERM``, ``SIGUSR1`` | forward | send itself the signal (preemption) |
+| ``SIGTERM``, ``SIGUSR1``, ``SIGINT`` | forward | send itself the signal (preemption; SIGINT: Ctrl-C) |
 | ``parent-SIGTERM``, ``parent-SIGUSR1`` | forward | send the signal to its parent, the ``--nproc`` launcher |
+| ``group-SIGTERM``, ``group-SIGUSR1`` | forward | send the signal to its process group: itself and its helpers |
 | ``parent-SIGTERM-in-save``, ``parent-SIGUSR1-in-save`` | save | the same after writing its checkpoint shards |
 | ``nan-attention`` | forward | write NaN into the last local layer's ``linear_qkv`` weight |
 | ``nan-loss`` | forward | write NaN into the micro-batch's loss mask |
 | ``kill-in-save`` | save | SIGKILL itself after writing its checkpoint shards, before the save completes |
+| ``disk-full-in-save`` | before-save | its checkpoint writer fails with ``OSError(ENOSPC)`` (a full disk) |
 
 Not a user feature: it exists so that tests exercise real failures (a real SIGKILL,
 a real signal, a real NaN) at a deterministic point.
@@ -29,9 +31,10 @@ __all__ = ["ENV", "inject", "planned"]
 
 ENV = "HSAP_TEST_FAULT"
 _WHERE = {"kill": "forward", "stop": "forward", "raise": "forward", "SIGTERM": "forward", "SIGUSR1": "forward",
+          "SIGINT": "forward", "group-SIGTERM": "forward", "group-SIGUSR1": "forward",
           "nan-attention": "forward", "nan-loss": "forward", "kill-in-save": "save",
           "parent-SIGTERM": "forward", "parent-SIGUSR1": "forward",
-          "parent-SIGTERM-in-save": "save", "parent-SIGUSR1-in-save": "save"}
+          "parent-SIGTERM-in-save": "save", "parent-SIGUSR1-in-save": "save", "disk-full-in-save": "before-save"}
 
 
 def _parse(text: str) -> List[Tuple[str, int, int]]:
@@ -49,7 +52,7 @@ def _parse(text: str) -> List[Tuple[str, int, int]]:
 
 
 def planned(point: str, iteration: int) -> List[str]:
-    """The fault kinds planned for this rank at ``point`` ('forward' or 'save') of ``iteration``."""
+    """The fault kinds planned for this rank at ``point`` ('forward', 'before-save' or 'save') of ``iteration``."""
     text = os.environ.get(ENV)
     if not text:
         return []
@@ -66,10 +69,12 @@ def inject(point: str, iteration: int, model: Optional[List[Any]] = None, loss_m
             os.kill(os.getpid(), signal.SIGSTOP)
         elif kind == "raise":
             raise RuntimeError(f"{ENV}: injected exception in the forward step of iteration {iteration}")
-        elif kind in ("SIGTERM", "SIGUSR1"):
+        elif kind in ("SIGTERM", "SIGUSR1", "SIGINT"):
             os.kill(os.getpid(), getattr(signal, kind))
         elif kind.startswith("parent-"):
             os.kill(os.getppid(), getattr(signal, kind.split("-")[1]))
+        elif kind.startswith("group-"):
+            os.killpg(0, getattr(signal, kind.split("-")[1]))
         elif kind == "nan-loss":
             loss_mask.fill_(float("nan"))
         elif kind == "nan-attention":
@@ -78,3 +83,15 @@ def inject(point: str, iteration: int, model: Optional[List[Any]] = None, loss_m
             layers = [m for chunk in model for name, m in chunk.named_modules() if name.endswith("self_attention")]
             with torch.no_grad():
                 layers[-1].linear_qkv.weight.view(-1)[0] = float("nan")
+        elif kind == "disk-full-in-save":
+            from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+            filesystem_async._write_item = _disk_full  # the writer processes are forked after this
+
+
+def _disk_full(*args: Any, **kwargs: Any) -> None:
+    """Stands in for torch's ``_write_item``: the write fails as on a full disk, naming the file."""
+    import errno
+
+    stream = next(a for a in args if hasattr(a, "fileno"))
+    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), stream.name)

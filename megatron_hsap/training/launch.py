@@ -14,7 +14,8 @@ The parent is the run's watchdog, as torchrun's elastic agent is for GPU runs:
 - each rank is the leader of its own process group, and every group is killed at
   the end, so no helper a rank started (e.g. dist_checkpointing's Manager) survives;
   a rank is also SIGKILLed by the kernel if the launcher itself dies (Linux
-  ``PR_SET_PDEATHSIG``);
+  ``PR_SET_PDEATHSIG``), and its helpers die with it (``rank_helpers``: a reaper
+  kills the rank's process group);
 - when no rank has advanced (changed phase, see ``progress``) for ``--stall-timeout-minutes``
   (a stopped rank, a deadlock outside a collective's timeout), it prints every rank's
   Python stack (``faulthandler`` on SIGQUIT; a stopped rank is continued so that it
@@ -24,13 +25,13 @@ The parent is the run's watchdog, as torchrun's elastic agent is for GPU runs:
   the rank processes only, never to their process groups: helpers a rank started
   (the checkpoint writer's Manager, the resource tracker) must live until the rank's
   preemption checkpoint is written (with ``--exit-signal-handler`` the ranks then
-  save and exit 0).
+  save and exit 0); the helpers block these signals (``rank_helpers``), so one sent
+  to every process of the job reaches only the ranks' handlers.
 """
 
 from __future__ import annotations
 
 import argparse
-import ctypes
 import faulthandler
 import gc
 import importlib
@@ -44,8 +45,9 @@ from typing import Callable, List, Optional
 
 from megatron_hsap.training import progress
 from megatron_hsap.training.quiet import quiet_rank
+from megatron_hsap.training.rank_helpers import PREEMPTION_SIGNALS, die_with_parent, shield_helpers, start_group_reaper
 
-__all__ = ["die_with_parent", "freeze_imported_objects", "launched_by_torchrun", "spawn_local_ranks",
+__all__ = ["freeze_imported_objects", "launched_by_torchrun", "spawn_local_ranks",
            "FORWARDED_SIGNALS", "RANK_IMPORTS", "STACK_SIGNAL", "STALL_STATUS"]
 
 #: Imported by the launcher before it forks, once instead of once per rank: the training loop (Megatron-Core's
@@ -53,7 +55,7 @@ __all__ = ["die_with_parent", "freeze_imported_objects", "launched_by_torchrun",
 #: them) take seconds.
 RANK_IMPORTS = ("megatron.core.tokenizers.text.models", "megatron_hsap.training.loop")
 #: Signals the launcher passes on to every rank.
-FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2, signal.SIGINT, signal.SIGHUP)
+FORWARDED_SIGNALS = PREEMPTION_SIGNALS
 #: Makes a rank print every thread's Python stack to stderr (faulthandler).
 STACK_SIGNAL = signal.SIGQUIT
 #: The launcher's exit status when its stall watchdog stopped the run (as ``timeout(1)`` reports a timeout).
@@ -75,21 +77,13 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def die_with_parent(parent: int) -> None:
-    """Ask Linux to SIGKILL this process when its parent ``parent`` (the launcher, a rank) dies (no-op elsewhere)."""
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        return
-    if os.getppid() != parent:  # the parent died before the request took effect
-        os._exit(128 + signal.SIGKILL)
-
-
 def _rank_main(rank: int, nproc: int, port: int, main: Callable[[argparse.Namespace], int],
                args: argparse.Namespace, shared_progress: object, parent: int) -> None:
     os.setpgid(0, 0)  # own process group: the launcher can kill the rank with everything it started
     quiet_rank(rank)
     die_with_parent(parent)
+    shield_helpers()
+    start_group_reaper()
     faulthandler.register(STACK_SIGNAL, all_threads=True)
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(nproc), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(nproc),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),

@@ -218,8 +218,11 @@ def pretrain(args: argparse.Namespace) -> List[IterationRecord]:
     from megatron_hsap.parallel_state import destroy_model_parallel
     from megatron_hsap.training.preemption import ExitSignalHandler
 
+    from megatron_hsap.sequence.plan import PLAN_CACHE
+
     started = time.time()
     signals = ExitSignalHandler(args.exit_signal) if args.exit_signal_handler else None
+    PLAN_CACHE.set_max_bytes(int(args.plan_cache_mb * (1 << 20)))  # before the data-loader workers fork
     _init_distributed(args)
     # No collective teardown when _train raises: the other ranks may be anywhere (a rank that
     # waited for them in destroy_process_group could hang); exiting the process frees the group.

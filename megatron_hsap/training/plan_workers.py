@@ -31,7 +31,7 @@ from torch.utils.data import DataLoader, Dataset
 from megatron_hsap.parallel_state import CPTopology
 from megatron_hsap.sequence.cost_model import CostModel
 from megatron_hsap.sequence.plan import PLAN_CACHE, PlanKey, build_plan_data, plan_key
-from megatron_hsap.training.launch import die_with_parent
+from megatron_hsap.training.rank_helpers import block_preemption_signals, die_with_parent
 
 __all__ = ["plan_in_workers"]
 
@@ -127,8 +127,10 @@ def _unchanged(result: Result) -> Result:
 
 
 def _leave_signals_to_parent(parent: int, _worker_id: int) -> None:
-    """Worker start: out of the rank's process group (its signals are the rank's), dead with the rank."""
+    """Worker start: out of the rank's process group (its signals are the rank's), dead with the rank, deaf to
+    the preemption signals (the rank handles them)."""
     os.setpgid(0, 0)
+    block_preemption_signals()
     die_with_parent(parent)
 
 
