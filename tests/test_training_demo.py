@@ -46,7 +46,9 @@ def test_cpu_demo_trains_with_hsap_across_two_emulated_nodes(tmp_path):
     records = [r for r in entries if "evaluation" not in r]
     assert [r["iteration"] for r in records] == list(range(10, ITERS + 1, 10))
     assert [e["evaluation"] for e in entries if "evaluation" in e] == ["validation", "test"]
-    assert all(r["cp_bytes_intra"] > 0 and r["cp_bytes_inter"] > 0 for r in records)
+    # the logged iteration's bytes: every micro-batch has Ulysses all-to-alls; a sequence-aware plan may keep
+    # one micro-batch's documents inside the nodes (no inter-node bytes), but not every one on this corpus
+    assert all(r["cp_bytes_intra"] > 0 for r in records) and any(r["cp_bytes_inter"] > 0 for r in records)
     last_line = result.stdout.rstrip("\n").splitlines()[-1]
     ratio = re.search(r"^plan over 20 micro-batches, sequence-aware vs zigzag on the same samples .*"
                       r"\| inter-node bytes (\d+\.\d+) x zigzag ", last_line)
