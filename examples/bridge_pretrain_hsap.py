@@ -18,9 +18,13 @@ import os
 import sys
 from typing import Any, Optional
 
-import torch
-
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from megatron_hsap.training.quiet import quiet_rank  # noqa: E402
+
+quiet_rank(int(os.environ.get("RANK", "0")))  # before torch, Bridge and Megatron-Core: warnings from rank 0
+
+import torch  # noqa: E402
 
 from megatron_hsap.config import MODES, ContextParallelConfig  # noqa: E402
 from megatron_hsap.megatron.cpu_shim import apply_bridge_cpu_shim  # noqa: E402

@@ -150,3 +150,12 @@ def test_a_block_inside_a_list_item_is_checked_too(tmp_path):
     assert [(b.command, b.expected, b.marker) for b in blocks] == [('python -c "print(42)"', ["41"], "check"),
                                                                   ("true", [], None)]
     assert tool.check(blocks[0], sys.executable) is not None  # 42 printed, 41 quoted
+
+
+def test_each_command_of_a_snippet_may_say_a_warning_once(tmp_path):
+    doc = tmp_path / "doc.md"
+    once = "import warnings; warnings.warn('notice')"
+    doc.write_text(f'<!-- check-docs -->\n```bash\n# two commands, each warns once\npython -c "{once}"\n'
+                   f'python -c \\\n    "{once}"\n```\n')
+    tool = _tool()
+    assert tool.check(tool.parse(str(doc))[0], sys.executable) is None

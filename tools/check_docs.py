@@ -51,6 +51,7 @@ OPTION = r'[\w-]+=(?:"[^"]*"|\S+)'
 MARKER = re.compile(r"^<!--\s*check-docs(?::\s*(?P<skip>skip)\b\s*(?P<reason>.*?))?(?P<options>(?:\s+" + OPTION
                     + r")*)\s*-->$")
 PYTHON_PREFIX = re.compile(r"^(\s*(?:\w+=\S*\s+)*)(?:\.venv/bin/python3?|python3?)(?=\s)", re.MULTILINE)
+COMMAND_SEPARATOR = "@@check-docs: next command@@"
 WARNING = re.compile(r"^.*?\b(\w*Warning: .*)$", re.MULTILINE)
 PYTEST = re.compile(r"(?:^|\s)(?:-m\s+)?pytest\s")
 SNIPPET_LANGUAGES = {"bash": "bash", "sh": "bash", "shell": "bash", "python": "python"}
@@ -131,6 +132,19 @@ def parse(path: str) -> List[Block]:
     return blocks
 
 
+def _bash_commands(text: str) -> List[str]:
+    """The snippet's commands: its lines with backslash continuations joined, blank and comment lines dropped."""
+    commands, current = [], ""
+    for line in text.splitlines():
+        current += line.rstrip()[:-1] + " " if line.rstrip().endswith("\\") else line
+        if line.rstrip().endswith("\\"):
+            continue
+        if current.strip() and not current.strip().startswith("#"):
+            commands.append(current)
+        current = ""
+    return commands + ([current] if current.strip() else [])
+
+
 def _with_python(text: str, python: str) -> str:
     return PYTHON_PREFIX.sub(lambda m: m.group(1) + shlex.quote(python), text)
 
@@ -152,18 +166,23 @@ def _run(block: Block, python: str) -> Tuple[Optional[str], str]:
                 handle.write(text)
             argv = [python, script]
         else:
-            argv = ["bash", "-eo", "pipefail", "-c", _with_python(text.strip(), python)]
+            separator = f"; echo {COMMAND_SEPARATOR}; echo {COMMAND_SEPARATOR} >&2\n"
+            script = separator.join(_bash_commands(_with_python(text, python)))
+            argv = ["bash", "-eo", "pipefail", "-c", script]
         try:
             result = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
         except subprocess.TimeoutExpired:
             return f"did not finish within {timeout:g} s", ""
-    output = result.stdout + "\n" + result.stderr
+    output = (result.stdout + "\n" + result.stderr).replace(COMMAND_SEPARATOR + "\n", "")
     if result.returncode != 0:
         return f"exit status {result.returncode}:\n{output[-2000:]}", output
     if PYTEST.search(text):  # pytest gathers the warnings of every test into its own summary
         return None, output
-    warnings = collections.Counter(m.group(1) for m in WARNING.finditer(output))
-    repeated = [f"{count} x {text}" for text, count in warnings.items() if count > 1]
+    # each command of a snippet on its own: one warning per command is what its user sees
+    per_command = zip(result.stdout.split(COMMAND_SEPARATOR), result.stderr.split(COMMAND_SEPARATOR))
+    repeated = [f"{count} x {warning}" for out, err in per_command
+                for warning, count in collections.Counter(m.group(1) for m in WARNING.finditer(out + "\n" + err)).items()
+                if count > 1]
     if repeated:
         return "a warning printed more than once (an entry point says each one once):\n" + "\n".join(repeated), output
     return None, output

@@ -26,9 +26,11 @@ KNOWN_MEGATRON_DEPRECATIONS = (r"`torch\.distributed\.reduce_scatter_tensor` is 
 KNOWN_MEGATRON_CHECKPOINT_NOTICES = (r"torch\.distributed is disabled, unavailable or uninitialized",
                                      r"The argument order of load has been changed")
 #: Import-time notices of the current stack (megatron-core 0.19 with the registry's CUDA build of torch on a
-#: machine without CUDA) that say nothing about the run: absl is optional, MiMo is never used, and torch's
+#: machine without CUDA) that say nothing about the run: absl is optional, MiMo is never used, pynvml (which
+#: nvidia-modelopt pulls into the Bridge environment) is torch's to replace, and torch's
 #: C++-extension module finds no CUDA runtime (the run is on CPU by design).
-_IMPORT_NOTICES = ("absl.logging is not installed", "MimoModelConfig is experimental")
+_IMPORT_NOTICES = ("absl.logging is not installed", "MimoModelConfig is experimental",
+                   "The pynvml package is deprecated")
 _TORCH_EXTENSION_LOG = ("torch.utils.cpp_extension", "No CUDA runtime is found")
 #: TransformerLayer logs this for every layer whose MLP is not a type it knows; the sequence-tiled MLP
 #: (megatron/sequence_chunks.py) is an MLP subclass and takes the default TP group, which is the right one.
