@@ -91,6 +91,13 @@ def megatron_style_block(hidden: torch.Tensor, weight: torch.Tensor, plan, h: in
     return out.reshape(t, 1, h * d)
 
 
+def _ring_bytes_sent_since(before) -> int:
+    """Bytes this rank sent on the ring (K/V, dK/dV, relays) since the ``comm_stats()`` snapshot ``before``."""
+    from megatron_hsap.instrumentation.comm import comm_stats
+
+    return sum(v for (op, _where), v in comm_stats().minus(before).sent.items() if op.startswith("ring"))
+
+
 def _measure(args: argparse.Namespace) -> Dict[str, Dict[str, float]]:
     from megatron_hsap.attention.upipe import head_chunked_attention, predicted_stage_comm, resolve_head_schedule
     from megatron_hsap.attention.upipe import rope_angles
@@ -138,7 +145,7 @@ def _measure(args: argparse.Namespace) -> Dict[str, Dict[str, float]]:
         seconds = time.perf_counter() - start
         hidden.grad = None
         weight.grad_added_to_main_grad = False
-        ring_layer = sum(v for (op, _where), v in comm_stats().minus(before).sent.items() if op.startswith("ring"))
+        ring_layer = _ring_bytes_sent_since(before)
         ring = 0
         if u != BASELINE:
             schedule = resolve_head_schedule(plan, h, h_kv, u)
@@ -212,7 +219,7 @@ def _measure_megatron_modules(args: argparse.Namespace, plan, hidden: torch.Tens
             out.backward(dout[:, :, :out.shape[-1]])  # linear_proj's output: [t_local, 1, hidden]
             del out
         dist.barrier()
-        ring_layer = sum(v for (op, _where), v in comm_stats().minus(before).sent.items() if op.startswith("ring"))
+        ring_layer = _ring_bytes_sent_since(before)
         key = MEGATRON_MODULE if u is None else f"{MEGATRON_MODULE} U={u}"
         results[key] = {"seconds": time.perf_counter() - start, "peak_bytes": mem.peak_bytes,
                         "ring_bytes_per_stage": 0, "ring_bytes_per_layer": ring_layer}

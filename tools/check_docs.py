@@ -136,9 +136,10 @@ def _bash_commands(text: str) -> List[str]:
     """The snippet's commands: its lines with backslash continuations joined, blank and comment lines dropped."""
     commands, current = [], ""
     for line in text.splitlines():
-        current += line.rstrip()[:-1] + " " if line.rstrip().endswith("\\") else line
         if line.rstrip().endswith("\\"):
+            current += line.rstrip()[:-1] + " "
             continue
+        current += line
         if current.strip() and not current.strip().startswith("#"):
             commands.append(current)
         current = ""
@@ -178,11 +179,11 @@ def _run(block: Block, python: str) -> Tuple[Optional[str], str]:
         return f"exit status {result.returncode}:\n{output[-2000:]}", output
     if PYTEST.search(text):  # pytest gathers the warnings of every test into its own summary
         return None, output
+    repeated = []
     # each command of a snippet on its own: one warning per command is what its user sees
-    per_command = zip(result.stdout.split(COMMAND_SEPARATOR), result.stderr.split(COMMAND_SEPARATOR))
-    repeated = [f"{count} x {warning}" for out, err in per_command
-                for warning, count in collections.Counter(m.group(1) for m in WARNING.finditer(out + "\n" + err)).items()
-                if count > 1]
+    for out, err in zip(result.stdout.split(COMMAND_SEPARATOR), result.stderr.split(COMMAND_SEPARATOR)):
+        warnings = collections.Counter(m.group(1) for m in WARNING.finditer(out + "\n" + err))
+        repeated += [f"{count} x {warning}" for warning, count in warnings.items() if count > 1]
     if repeated:
         return "a warning printed more than once (an entry point says each one once):\n" + "\n".join(repeated), output
     return None, output
