@@ -66,27 +66,39 @@ def _processes_with_marker(marker: str) -> List[int]:
     return found
 
 
-def _alive(pid: int) -> bool:
-    """``pid`` exists and is not a zombie (a killed child its parent has not reaped yet is dead)."""
+def _stat_fields(pid: int) -> List[str]:
+    """``/proc/PID/stat`` after the command name: [state, ppid, ...]; [] once the process is gone."""
     try:
         with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
+            return f.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return []
+
+
+def _alive(pid: int) -> bool:
+    """``pid`` exists and is not a zombie (a killed child its parent has not reaped yet is dead)."""
+    fields = _stat_fields(pid)
+    return bool(fields) and fields[0] != "Z"
 
 
 def _watch_run_processes(marker: str, run: "concurrent.futures.Future") -> tuple:
     """Polls the run's processes (``marker`` in their environment) until ``run`` is done: (the time the first
-    process seen died, the time none is alive), ``time.monotonic`` seconds; (None, time) if none died first."""
-    seen: set = set()
+    rank died, the time no process of the run is alive), ``time.monotonic`` seconds; (None, time) if no rank
+    died first. The ranks are the launcher's children (the launcher is this process's child); helpers that end
+    on their own (a data worker, a short subprocess at start-up) are not a rank's death."""
+    parent: Dict[int, int] = {}
     first_death = None
     while True:
-        seen.update(_processes_with_marker(marker))
-        alive = {pid for pid in seen if _alive(pid)}
+        for pid in _processes_with_marker(marker):
+            if pid not in parent:
+                fields = _stat_fields(pid)
+                parent[pid] = int(fields[1]) if fields else -1
+        launchers = {pid for pid, ppid in parent.items() if ppid == os.getpid()}
+        ranks = {pid for pid, ppid in parent.items() if ppid in launchers}
         now = time.monotonic()
-        if first_death is None and alive != seen:
+        if first_death is None and any(not _alive(pid) for pid in ranks):
             first_death = now
-        if seen and not alive or run.done():
+        if parent and not any(_alive(pid) for pid in parent) or run.done():
             return first_death, now
         time.sleep(0.05)
 
@@ -105,7 +117,7 @@ def test_killed_rank_stops_every_rank_within_the_bound(cache_dir):
         first_death, all_gone = _watch_run_processes(marker, run)
         result = run.result()
     wall = time.monotonic() - t0
-    # the test's own clock: from the first process of the run dying (the killed rank) to the last one gone
+    # the test's own clock: from the first rank dying (the killed one) to the last process of the run gone
     assert first_death is not None and all_gone - first_death <= BOUND_SECONDS, (first_death, all_gone)
     assert result.returncode == 128 + 9, result.stderr[-3000:]  # the launcher reports the killed rank's status
     assert re.search(r"rank 2 \(pid \d+\) was killed by SIGKILL during iteration 3 \(forward-backward\)",
