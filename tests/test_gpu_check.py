@@ -64,3 +64,23 @@ def test_ranks_sharing_one_gpu_get_the_nccl_settings_of_their_release(monkeypatc
     assert gc.nccl_env(None) == {"NCCL_SOCKET_IFNAME": "lo"}  # torchrun's ranks set theirs (--with-rank-hostid)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert gc.nccl_env(0) == {}
+
+
+def test_peak_breakdown_replays_the_allocator_trace_to_its_peak():
+    """tools/gpu_peak_breakdown.py: the live set at the trace's highest point, by allocating site; blocks
+    freed before the peak and blocks allocated before the recording (freed inside it) are not counted."""
+    from tools.gpu_peak_breakdown import live_at_peak
+
+    def frames(line):
+        return [{"filename": "/site/torch/x.py", "line": 1, "name": "op"},
+                {"filename": "/repo/megatron_hsap/attention/upipe.py", "line": line, "name": "f"}]
+
+    trace = [{"action": "alloc", "addr": 1, "size": 100, "frames": frames(10)},
+             {"action": "alloc", "addr": 2, "size": 30, "frames": frames(20)},
+             {"action": "free_completed", "addr": 99},  # allocated before the recording
+             {"action": "free_completed", "addr": 1},
+             {"action": "alloc", "addr": 3, "size": 60, "frames": []},
+             {"action": "alloc", "addr": 4, "size": 50, "frames": frames(20)},
+             {"action": "free_requested", "addr": 4},
+             {"action": "free_completed", "addr": 4}]
+    assert live_at_peak(trace) == (140, {"upipe.py:20:f": 80, "(no Python frame)": 60})

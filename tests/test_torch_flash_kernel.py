@@ -141,6 +141,36 @@ def test_torch_flash_backward_with_the_rings_merged_output_and_lse(cpu_as_cuda, 
         torch.testing.assert_close((ga + gb).double(), ref, atol=2e-2, rtol=0)
 
 
+def test_one_call_in_the_inputs_dtype_returns_the_librarys_gradients_without_fp32_copies(cpu_as_cuda):
+    """``grad_dtype=q.dtype`` (what a ring of one member asks for): the same values as the float32 path, cast;
+    one pass over every row returns the library's gradients as they are (no float32 dq/dk/dv is allocated)."""
+    from megatron_hsap.instrumentation.memory import track_peak_memory
+
+    kernel = FakeTorch("2.13").kernel()
+    q, k, v, dout = _inputs()
+    t = q.shape[0]
+    packed = AttentionBlocks.from_list([(0, 24, 0, 24, True), (24, t, 24, t, True)])  # two documents: one pass
+    two_passes = AttentionBlocks.from_list([(0, 20, 0, 20, True), (20, t, 0, 20, False), (20, t, 20, t, True)])
+    q64, k64, v64, dout64 = (x.double() for x in (q, k, v, dout))
+    for blocks in (packed, two_passes):
+        out, lse = kernel.forward(q, k, v, blocks, SCALE)
+        fp32 = kernel.backward(dout, q, k, v, out, lse, blocks, SCALE)
+        own = kernel.backward(dout, q, k, v, out, lse, blocks, SCALE, grad_dtype=q.dtype)
+        mask = dense_mask(blocks, t, t)
+        for a, b, ref in zip(fp32, own, dense_grads(q64, k64, v64, mask, SCALE, dout64)):
+            assert a.dtype == torch.float32 and b.dtype == q.dtype and b.shape == a.shape
+            assert torch.equal(b, a.to(q.dtype))
+            torch.testing.assert_close(b.double(), ref, atol=2e-2, rtol=0)
+    out, lse = kernel.forward(q, k, v, packed, SCALE)
+    peaks = []
+    for grad_dtype in (None, q.dtype):
+        with track_peak_memory("cpu") as tracker:
+            kernel.backward(dout, q, k, v, out, lse, packed, SCALE, grad_dtype=grad_dtype)
+        peaks.append(tracker.peak_bytes)
+    fp32_grads = 4 * (q.numel() + 2 * k.numel())
+    assert peaks[0] - peaks[1] >= fp32_grads, (peaks, fp32_grads)
+
+
 def test_a_release_with_an_unreviewed_parameter_is_refused():
     spec = dict(TORCH_RELEASES["2.13"])
     spec["aten_bwd"] = spec["aten_bwd"].replace("SymInt? window_size_right=None)",

@@ -217,8 +217,7 @@ def ring_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     dout = dout.contiguous()
     if topology.ring_size == 1 and len(schedule.local_blocks):  # one kernel call: no accumulators
         trace_event("kernel", "backward", 0)
-        grads = kernel.backward(dout, q, k, v, out, lse, schedule.local_blocks, softmax_scale)
-        return tuple(g.to(x.dtype) for g, x in zip(grads, (q, k, v)))
+        return kernel.backward(dout, q, k, v, out, lse, schedule.local_blocks, softmax_scale, grad_dtype=q.dtype)
     exchange = key_value_exchange(schedule, k, v, topology, shared)
     ring, grads = _Ring(schedule, topology, exchange), _Gradients(dout, q, k, out, lse, kernel, softmax_scale)
     pending = ring.post_kv(1, OP_KV_BWD)

@@ -18,7 +18,7 @@ from __future__ import annotations
 import importlib
 import logging
 from functools import lru_cache
-from typing import Dict, List, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 
@@ -103,9 +103,10 @@ class AutoKernel:
 
     def backward(self, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  out: torch.Tensor, lse: torch.Tensor, blocks: AttentionBlocks,
-                 softmax_scale: float) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                 softmax_scale: float, grad_dtype: Optional[torch.dtype] = None
+                 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """As ``AttentionKernel.backward``, by the kernel the forward of this shape used."""
-        return self.kernel_for(q, k, v, blocks).backward(dout, q, k, v, out, lse, blocks, softmax_scale)
+        return self.kernel_for(q, k, v, blocks).backward(dout, q, k, v, out, lse, blocks, softmax_scale, grad_dtype)
 
 
 @lru_cache(maxsize=None)

@@ -151,10 +151,14 @@ class AttentionKernel(Protocol):
 
     def backward(self, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  out: torch.Tensor, lse: torch.Tensor, blocks: AttentionBlocks,
-                 softmax_scale: float) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                 softmax_scale: float, grad_dtype: Optional[torch.dtype] = None
+                 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Gradients for one call, given the *final* out/lse of the rows (which may
-        merge several calls). Returns dq, dk, dv in float32 (callers accumulate
-        across calls before casting)."""
+        merge several calls). Returns dq, dk, dv in float32 (float64 for fp64), for
+        callers that accumulate across calls before casting; a caller that makes this
+        one call passes ``grad_dtype`` (its inputs' dtype) and gets them in it, the same
+        values, which spares a fused kernel whose one library call covers every row the
+        float32 copies of its gradients."""
         ...
 
 

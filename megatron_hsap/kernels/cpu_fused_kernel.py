@@ -36,7 +36,7 @@ from __future__ import annotations
 import bisect
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Dict, List, Tuple, Union
+from typing import Dict, List, Optional, Tuple, Union
 
 import torch
 
@@ -273,11 +273,12 @@ class CpuFusedAttentionKernel:
     @torch.no_grad()
     def backward(self, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  out: torch.Tensor, lse: torch.Tensor, blocks: AttentionBlocks,
-                 softmax_scale: float) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                 softmax_scale: float, grad_dtype: Optional[torch.dtype] = None
+                 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Gradients of this call's blocks given the rows' *final* out/dout ``[t_q, h_q, d]`` and lse ``[h_q, t_q]``.
 
         Returns dq ``[t_q, h_q, d]``, dk/dv ``[t_k, h_kv, d]`` in float32 (float64 for float64
-        inputs); rows no block of this call covers get zero gradients.
+        inputs; ``grad_dtype`` when given); rows no block of this call covers get zero gradients.
         """
         self._check(q, k, v, blocks)
         t_q, h_q, d = q.shape
@@ -299,4 +300,6 @@ class CpuFusedAttentionKernel:
                 scale=softmax_scale)
             for dst, rows, grad in zip((dq, dk, dv), (batch.q_rows, batch.k_rows, batch.k_rows), grads):
                 _accumulate(dst, rows, _flat(grad))
+        if grad_dtype is not None:
+            return dq.to(grad_dtype), dk.to(grad_dtype), dv.to(grad_dtype)
         return dq, dk, dv

@@ -340,9 +340,11 @@ class VarlenPassKernel:
 
     def backward(self, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  out: torch.Tensor, lse: torch.Tensor, blocks: AttentionBlocks,
-                 softmax_scale: float) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """dq, dk, dv (float32, shaped like q, k, v) of this call's blocks given the *final* out/lse
-        (``[t_q, h_q, d]`` / ``[h_q, t_q]``, possibly merged over several calls as in ring attention)."""
+                 softmax_scale: float, grad_dtype: Optional[torch.dtype] = None
+                 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """dq, dk, dv (float32, or ``grad_dtype``; shaped like q, k, v) of this call's blocks given the *final*
+        out/lse (``[t_q, h_q, d]`` / ``[h_q, t_q]``, possibly merged over several calls as in ring attention).
+        One pass over every query and key row in ``grad_dtype`` returns the library's gradients as they are."""
         self.check_inputs(q, k, v, blocks)
         if dout.shape != q.shape or out.shape != q.shape or lse.shape != (q.shape[1], q.shape[0]):
             raise ValueError(f"dout/out must be shaped like q {tuple(q.shape)} and lse [h_q, t_q]; got "
@@ -350,10 +352,15 @@ class VarlenPassKernel:
         dout, out = dout.to(q.dtype), out.to(q.dtype)
         # The libraries mark rows without keys with lse=+inf (so exp(s - lse) = 0); ours use -inf.
         lse = torch.where(torch.isneginf(lse), torch.full_like(lse, float("inf")), lse).to(torch.float32)
+        passes = split_into_passes(blocks)
+        if (grad_dtype == q.dtype and len(passes) == 1 and passes[0].q_span == (0, q.shape[0])
+                and passes[0].k_span == (0, k.shape[0])):  # the library's gradients are the answer: no fp32 copies
+            return self._pass_backward(dout.contiguous(), q.contiguous(), k.contiguous(), v.contiguous(),
+                                       out.contiguous(), lse, passes[0], softmax_scale)
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         dk = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
         dv = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
-        for p in split_into_passes(blocks):
+        for p in passes:
             qseg, qspan, kseg, kspan = p.q_segments, p.q_span, p.k_segments, p.k_span
             lse_p = gather_rows(lse.t(), qseg, qspan).t().contiguous()
             dq_p, dk_p, dv_p = self._pass_backward(
@@ -362,5 +369,7 @@ class VarlenPassKernel:
             add_rows(dq, dq_p, qseg, qspan)
             add_rows(dk, dk_p, kseg, kspan)
             add_rows(dv, dv_p, kseg, kspan)
+        if grad_dtype is not None:
+            return dq.to(grad_dtype), dk.to(grad_dtype), dv.to(grad_dtype)
         return dq, dk, dv
 

@@ -303,13 +303,14 @@ class TEAttentionKernel(VarlenPassKernel):
 
     def backward(self, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  out: torch.Tensor, lse: torch.Tensor, blocks: AttentionBlocks,
-                 softmax_scale: float) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                 softmax_scale: float, grad_dtype: Optional[torch.dtype] = None
+                 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """As ``VarlenPassKernel.backward``; the same delegation decision as the forward of these blocks."""
         self.check_inputs(q, k, v, blocks)
         unsupported = self._unsupported_pass(q, k, blocks)
         if unsupported is not None:
-            return self._fallback(unsupported).backward(dout, q, k, v, out, lse, blocks, softmax_scale)
-        return super().backward(dout, q, k, v, out, lse, blocks, softmax_scale)
+            return self._fallback(unsupported).backward(dout, q, k, v, out, lse, blocks, softmax_scale, grad_dtype)
+        return super().backward(dout, q, k, v, out, lse, blocks, softmax_scale, grad_dtype)
 
     def _common_values(self, p: VarlenPass, q: torch.Tensor, softmax_scale: float) -> dict:
         """Arguments shared by fused_attn_fwd/bwd; the caller keeps those the installed function takes."""

@@ -242,11 +242,12 @@ class TorchAttentionKernel:
     @torch.no_grad()
     def backward(self, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  out: torch.Tensor, lse: torch.Tensor, blocks: AttentionBlocks,
-                 softmax_scale: float) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                 softmax_scale: float, grad_dtype: Optional[torch.dtype] = None
+                 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Gradients of this call's blocks given the rows' *final* out/dout ``[t_q, h_q, d]`` and lse ``[h_q, t_q]``.
 
         Returns dq ``[t_q, h_q, d]``, dk/dv ``[t_k, h_kv, d]`` in float32 (float64 for float64
-        inputs); rows with lse -inf contribute nothing.
+        inputs; ``grad_dtype`` when given); rows with lse -inf contribute nothing.
         """
         check_kernel_inputs(q, k, v, blocks, SUPPORTED_DTYPES)
         t_q, h_q, d = q.shape
@@ -275,4 +276,6 @@ class TorchAttentionKernel:
             dq[:, r0:r1].baddbmm_(ds, k_t)
             dk[:, tile.k0:tile.k1].baddbmm_(ds.transpose(1, 2), q_t)  # q_t is pre-scaled
         dq.mul_(softmax_scale)
-        return _ungroup_rows(dq, t_q, h_q), dk.transpose(0, 1).contiguous(), dv.transpose(0, 1).contiguous()
+        dtype = grad_dtype or acc_dtype
+        dk, dv = (g.transpose(0, 1).to(dtype, memory_format=torch.contiguous_format) for g in (dk, dv))
+        return _ungroup_rows(dq, t_q, h_q).to(dtype), dk, dv
