@@ -84,3 +84,17 @@ def test_peak_breakdown_replays_the_allocator_trace_to_its_peak():
              {"action": "free_requested", "addr": 4},
              {"action": "free_completed", "addr": 4}]
     assert live_at_peak(trace) == (140, {"upipe.py:20:f": 80, "(no Python frame)": 60})
+
+
+def test_a_configuration_over_its_cap_is_recorded_and_the_stage_returns(monkeypatch):
+    """S3 on CPU with a per-configuration cap no configuration can meet: every rank's first configuration is
+    stopped by its watchdog (a hung collective on a GPU), recorded, and the stage fails instead of hanging."""
+    import torch
+
+    gc = _gpu_check_module()
+    monkeypatch.setattr(gc, "DRY_RUN_CAP_S", 0.01)
+    result = gc.stage_s3(gc.CPU_SIZES, torch.device("cpu"), "")
+    assert result["pass"] is False
+    killed = [r for r in result["rows"] if "killed" in r]
+    assert killed and all(r["config"] == gc.S3_CONFIGS[0][0] for r in killed)
+    assert len(result["rows"]) < 4 * len(gc.S3_CONFIGS)

@@ -27,6 +27,7 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 import traceback
 from contextlib import contextmanager
@@ -679,7 +680,11 @@ def _dense_reference(q, k, v, doc_lengths, window) -> torch.Tensor:
     return out.transpose(0, 1)
 
 
-def _s3_worker(rank: int, world: int, port: int, device_type: str, tokens: int, head_dim: int, results) -> None:
+S3_CONFIG_CAP_S = 60  # per configuration on the GPU (the dry run: DRY_RUN_CAP_S)
+
+
+def _s3_worker(rank: int, world: int, port: int, device_type: str, tokens: int, head_dim: int, results,
+               config_cap_s: float) -> None:
     from megatron_hsap.attention.upipe import head_chunked_attention
     from megatron_hsap.instrumentation import count_comm
 
@@ -694,6 +699,11 @@ def _s3_worker(rank: int, world: int, port: int, device_type: str, tokens: int, 
     rows = []
     lengths = sample_doc_lengths(tokens, seed=7, max_doc_len=tokens // 2)
     for name, cp_kwargs, (h, h_kv), windowed, chunk in S3_CONFIGS:
+        # A configuration that hangs (a collective that never matches) is recorded and ends this rank; the
+        # stage then reports the configurations done instead of running into its own cap.
+        watchdog = threading.Timer(config_cap_s, _s3_overran, args=(rank, rows, name, config_cap_s, results))
+        watchdog.daemon = True
+        watchdog.start()
         # 1/64 of the batch (64 keys at 4K tokens), shorter than its documents, so the ring sends fewer rows
         window = (max(4, tokens // 64), 0) if windowed else None
         start = time.perf_counter()
@@ -730,9 +740,16 @@ def _s3_worker(rank: int, world: int, port: int, device_type: str, tokens: int, 
             bytes_ok = mine == predicted
         rows.append({"config": name, "max_rel_err": max(errors), "bytes": mine, "predicted_bytes": predicted,
                      "bytes_match_plan": bytes_ok, "seconds": time.perf_counter() - start})
+        watchdog.cancel()
+        results[rank] = rows
         destroy_model_parallel()
-    results[rank] = rows
     dist.destroy_process_group()
+
+
+def _s3_overran(rank: int, rows: List[dict], name: str, cap_s: float, results) -> None:
+    results[rank] = rows + [{"config": name, "max_rel_err": math.nan, "bytes_match_plan": False,
+                             "killed": f"still running after its {cap_s:g} s cap"}]
+    os._exit(3)
 
 
 def _upipe_identity_projection(head_chunked_attention, local, plan, h, h_kv, d, chunk) -> torch.Tensor:
@@ -757,14 +774,20 @@ def stage_s3(sizes: Sizes, device: torch.device, out_dir: str) -> dict:
     manager = mp.Manager()
     results = manager.dict()
     # CUDA needs fresh interpreters; on the CPU dry run forked ones start without re-importing everything
-    mp.start_processes(_s3_worker, args=(world, port, device.type, sizes.s3_tokens, sizes.head_dim, results),
-                       nprocs=world, start_method="spawn" if device.type == "cuda" else "fork")
+    config_cap_s = S3_CONFIG_CAP_S if device.type == "cuda" else DRY_RUN_CAP_S
+    try:
+        mp.start_processes(_s3_worker, args=(world, port, device.type, sizes.s3_tokens, sizes.head_dim, results,
+                                             config_cap_s),
+                           nprocs=world, start_method="spawn" if device.type == "cuda" else "fork")
+    except mp.ProcessExitedException:  # a rank stopped by its configuration's cap (recorded in its rows)
+        pass
     rows = [dict(r, rank=rank) for rank in sorted(results.keys()) for r in results[rank]]
     tol = 3e-2 if device.type == "cuda" else 1e-9
     for r in rows:
         r["pass"] = r["max_rel_err"] <= tol and r["bytes_match_plan"]
     worst = max((r["max_rel_err"] for r in rows), default=math.nan)
-    return {"pass": bool(rows) and all(r["pass"] for r in rows), "rows": rows, "tolerance": tol,
+    complete = len(rows) == world * len(S3_CONFIGS)
+    return {"pass": complete and all(r["pass"] for r in rows), "rows": rows, "tolerance": tol,
             "nccl_env": nccl_env(0), "summary": f"{len(S3_CONFIGS)} configs x {world} ranks, max rel err {worst:.2e}"}
 
 
