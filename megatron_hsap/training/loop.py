@@ -142,7 +142,7 @@ def _loss_func(mb: PackedMicroBatch, cp_group: Any, nan_check: Any, output_tenso
 def forward_packed(mb: PackedMicroBatch, model: Any, cp_group: Any, nan_check: Any = None,
                    offload_activations: bool = False) -> Tuple[torch.Tensor, Any]:
     """Megatron's forward-step contract for one packed micro-batch already on the model's device:
-    (per-token losses ``[1, t_local]``, loss function). Shared by this loop and ``megatron_hsap.megatron_lm``.
+    (per-token losses ``[1, t_local]``, loss function). Shared by this loop and ``megatron_hsap.training.megatron_lm``.
     ``offload_activations``: the activations saved for backward live in host memory (``HostOffload``)."""
     with saved_activations_on_host(offload_activations, mb.tokens.device):
         output = model(mb.tokens, mb.position_ids, None, labels=mb.labels, packed_seq_params=mb.packed_seq_params)
