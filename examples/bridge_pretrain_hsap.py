@@ -2,7 +2,7 @@
 """Megatron-Bridge recipe: pretrain a tiny GPT with HSAP context parallelism through Bridge's ``pretrain()``.
 
 Bridge builds the groups, model, optimizer, mock data and checkpoints; HSAP supplies the layer
-spec, the topology over Bridge's groups and the forward step (megatron_hsap/bridge.py). Runs on
+spec, the topology over Bridge's groups and the forward step (megatron_hsap/training/bridge.py). Runs on
 CPU ranks (gloo) or GPUs. Needs the Bridge environment (``make venv-bridge``):
 
     .venv-bridge/bin/torchrun --nproc-per-node 4 examples/bridge_pretrain_hsap.py --context-parallel-size 4
@@ -49,7 +49,7 @@ def tiny_gpt_recipe(context_parallel_size: int = 1, mode: str = "hsap", ulysses_
                                                  TrainingConfig)
     from megatron.bridge.training.tokenizers.config import TokenizerConfig
 
-    from megatron_hsap.bridge import configure_hsap
+    from megatron_hsap.training.bridge import configure_hsap
 
     model = GPTModelProvider(
         num_layers=2, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4, num_query_groups=4,
@@ -98,7 +98,7 @@ def main() -> None:
     apply_bridge_cpu_shim()
     from megatron.bridge.training.pretrain import pretrain
 
-    from megatron_hsap.bridge import forward_step
+    from megatron_hsap.training.bridge import forward_step
 
     cfg = tiny_gpt_recipe(args.context_parallel_size, args.context_parallel_mode, args.ulysses_size,
                           args.train_iters, args.seq_length, args.micro_batch_size, save=args.save, load=args.load,

@@ -1,4 +1,4 @@
-"""The Megatron-LM entry point (megatron_hsap/megatron_lm.py), every piece that runs without Megatron-LM.
+"""The Megatron-LM entry point (megatron_hsap/training/megatron_lm.py), every piece that runs without Megatron-LM.
 
 Megatron-LM (``megatron.training``) is not on the package index, so only the call into its
 ``pretrain()`` is skipped. Otherwise the pieces run as Megatron-LM would call them: Megatron-Core's
@@ -21,7 +21,7 @@ from typing import List
 import pytest
 import torch
 
-from megatron_hsap.megatron_lm import HSAP_FLAGS, add_hsap_args, main
+from megatron_hsap.training.megatron_lm import HSAP_FLAGS, add_hsap_args, main
 from megatron_hsap.training.arguments import build_parser, parse_args
 from tests.distributed import run_distributed_fresh
 
@@ -76,7 +76,7 @@ def test_add_hsap_args_on_a_fresh_parser():
 
 
 def test_model_provider_rejects_per_token_loss():
-    from megatron_hsap.megatron_lm import model_provider
+    from megatron_hsap.training.megatron_lm import model_provider
 
     args = _args(1, "hsap")
     args.calculate_per_token_loss = True
@@ -91,7 +91,7 @@ def _loss_body(cp: int, mode: str, megatron_lm_path: bool) -> List[float]:
 
     from megatron_hsap.megatron.attention import HSAPSelfAttention
     from megatron_hsap.megatron.cpu_shim import apply_cpu_shim
-    from megatron_hsap.megatron_lm import forward_step, model_provider
+    from megatron_hsap.training.megatron_lm import forward_step, model_provider
     from megatron_hsap.parallel_state import get_cp_topology, initialize_model_parallel
     from megatron_hsap.training.arguments import cp_config_from_args
     from megatron_hsap.training.loop import _eval_forward_step, _packed_iterator
@@ -165,7 +165,7 @@ PRETRAIN_FLAGS = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-h
 
 
 def _pretrain(tmp_path, nproc: int, *flags: str) -> dict:
-    """Run ``python -m megatron_hsap.megatron_lm`` (Megatron-LM's real pretrain()) under torchrun; the logged
+    """Run ``python -m megatron_hsap.training.megatron_lm`` (Megatron-LM's real pretrain()) under torchrun; the logged
     lm loss and grad norm of every iteration and the validation loss, parsed from Megatron-LM's log lines."""
     import re
 
@@ -173,7 +173,7 @@ def _pretrain(tmp_path, nproc: int, *flags: str) -> dict:
            "CUDA_DEVICE_MAX_CONNECTIONS": "1", "OMP_NUM_THREADS": "1"}
     result = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc), "-m",
-         "megatron_hsap.megatron_lm", *PRETRAIN_FLAGS, "--data-cache-path", str(tmp_path / "cache"), *flags],
+         "megatron_hsap.training.megatron_lm", *PRETRAIN_FLAGS, "--data-cache-path", str(tmp_path / "cache"), *flags],
         cwd=str(tmp_path), env=env, capture_output=True, text=True, timeout=400)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
     out = result.stdout
@@ -218,7 +218,7 @@ def test_megatron_lm_defaults_are_resolved(capsys):
     """Megatron-LM's own defaults work: no HSAP mode/kernel given -> hsap/auto; its --attention-dropout 0.1 -> 0
     and its default --transformer-impl transformer_engine -> local where TE cannot run, each with a note naming
     the flag."""
-    from megatron_hsap.megatron_lm import _resolve_hsap_defaults
+    from megatron_hsap.training.megatron_lm import _resolve_hsap_defaults
 
     args = argparse.Namespace(context_parallel_mode=None, attention_kernel=None, attention_dropout=0.1,
                               transformer_impl="transformer_engine")

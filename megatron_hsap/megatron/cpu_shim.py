@@ -289,7 +289,7 @@ _IMPORT_ONLY_PLACEHOLDERS = {
     "megatron.bridge.peft.lora_layers": ("transformer_engine",),
     "megatron.core.inference.contexts.attention_context.triton.tensor_ops": ("triton",),
 }
-#: The Bridge modules ``megatron_hsap.bridge`` and its tests use; importing them imports the rest.
+#: The Bridge modules ``megatron_hsap.training.bridge`` and its tests use; importing them imports the rest.
 _BRIDGE_MODULES = ("megatron.bridge.training.pretrain", "megatron.bridge.training.gpt_step",
                    "megatron.bridge.training.setup", "megatron.bridge.training.initialize",
                    "megatron.bridge.training.checkpointing", "megatron.bridge.models.model_provider")
@@ -412,7 +412,7 @@ def _seed_rng_tracker_too(set_random_seed: Any) -> Any:
 
 # --------------------------------------------------------------------------------------------------
 # Megatron-LM's own training loop (``megatron.training``) on CPU ranks (``apply_megatron_lm_cpu_shim``;
-# docs/training.md, "Megatron-LM entry point"): ``megatron_hsap.megatron_lm.main`` runs its unmodified
+# docs/training.md, "Megatron-LM entry point"): ``megatron_hsap.training.megatron_lm.main`` runs its unmodified
 # ``pretrain()`` once these spots are bridged (found by running it on a machine without CUDA/TE/apex):
 #
 # L1. ``pretrain()`` calls ``initialize_megatron`` without ``allow_no_cuda``: passed as True.

@@ -102,13 +102,28 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """Every flag, one function per argument group (``_add_*_args``, as Megatron-LM's ``arguments.py``)."""
     p = _Parser(
         prog="pretrain_gpt_hsap.py", allow_abbrev=False,
         description="Train a Megatron-Core GPT with HSAP context parallelism. With no --data-path and no "
                     "--mock-data it trains on the Python standard library's sources (byte-level tokens).")
     p.add_argument("--demo", action="store_true",
                    help="as the first flag: start from the embedded CPU demo preset (also used when no flag is given)")
-    g = p.add_argument_group("model")
+    _add_model_args(p)
+    _add_parallelism_args(p)
+    _add_training_args(p)
+    _add_data_args(p)
+    _add_checkpointing_args(p)
+    _add_logging_args(p)
+    _add_ignored_megatron_args(p)
+    add_sequence_chunk_args(p)
+    add_evaluation_logging_args(p)
+    return p
+
+
+def _add_model_args(parser: argparse.ArgumentParser) -> None:
+    """Model shape and initialisation (Megatron-LM's network-size, regularization and initialization flags)."""
+    g = parser.add_argument_group("model")
     g.add_argument("--num-layers", type=_positive_int, default=2, help="transformer layers")
     g.add_argument("--hidden-size", type=_positive_int, default=64,
                    help="model width; the head dimension is hidden size / attention heads")
@@ -149,7 +164,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="initialise every weight from its name and global (unsharded) shape, so runs with "
                         "different TP/PP sizes start from identical weights")
 
-    g = p.add_argument_group("parallelism")
+
+def _add_parallelism_args(parser: argparse.ArgumentParser) -> None:
+    """TP / PP / CP sizes, the HSAP context-parallel flags and their Megatron-LM spellings, the launch."""
+    g = parser.add_argument_group("parallelism")
     g.add_argument("--tensor-model-parallel-size", type=_positive_int, default=1,
                    help="TP: ranks sharing each layer's weights (innermost in the rank order)")
     g.add_argument("--pipeline-model-parallel-size", type=_positive_int, default=1, help="PP: pipeline stages")
@@ -202,7 +220,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "stack, name the rank that stopped advancing and stop the job (status 124); 0 turns it "
                         "off (default: twice --distributed-timeout-minutes)")
 
-    g = p.add_argument_group("training")
+
+def _add_training_args(parser: argparse.ArgumentParser) -> None:
+    """Batch sizes, length, learning-rate schedule, optimizer, precision and recompute."""
+    g = parser.add_argument_group("training")
     g.add_argument("--micro-batch-size", type=_positive_int, default=1,
                    help="samples per micro-batch and data-parallel rank")
     g.add_argument("--global-batch-size", type=_positive_int, default=None, help="default micro x data-parallel")
@@ -252,7 +273,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with full: layers per recompute unit (uniform) or recomputed layers per stage (block)")
     g.add_argument("--recompute-activations", action="store_true", help="= --recompute-granularity selective")
 
-    g = p.add_argument_group("data")
+
+def _add_data_args(parser: argparse.ArgumentParser) -> None:
+    """Datasets, tokenizer, document boundaries and the data-loader workers."""
+    g = parser.add_argument_group("data")
     g.add_argument("--data-path", nargs="+", default=None,
                    help="indexed dataset prefix(es), optionally weighted: [w1] p1 [w2] p2 ...")
     g.add_argument("--split", default="969,30,1",
@@ -275,7 +299,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="data-loader worker processes that read and plan the micro-batches ahead (as Megatron-LM's, "
                         "default 2); 0: read in the training process and plan in a thread there")
 
-    g = p.add_argument_group("checkpointing")
+
+def _add_checkpointing_args(parser: argparse.ArgumentParser) -> None:
+    """Save / load, and the exits (interval, duration, signals, NaN/Inf) that save first."""
+    g = parser.add_argument_group("checkpointing")
     g.add_argument("--save", default=None, help="checkpoint directory to save into")
     g.add_argument("--load", default=None, help="checkpoint directory to resume from (the newest complete iteration)")
     g.add_argument("--save-interval", type=_positive_int, default=None,
@@ -315,22 +342,25 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--no-check-for-nan-in-loss-and-grad", dest="check_for_nan_in_loss_and_grad",
                    action="store_false", help="do not stop on a NaN/Inf loss or gradient")
 
-    g = p.add_argument_group("logging")
+
+def _add_logging_args(parser: argparse.ArgumentParser) -> None:
+    """The iteration line, TensorBoard and the JSON log (evaluation and W&B: ``add_evaluation_logging_args``)."""
+    g = parser.add_argument_group("logging")
     g.add_argument("--log-interval", type=_positive_int, default=1,
                    help="print the iteration line every this many iterations")
     g.add_argument("--tensorboard-dir", default=None, help="write Megatron-LM's scalars here (needs tensorboard)")
     g.add_argument("--no-progress-bar", action="store_true", help="no progress bar before the iteration lines")
     g.add_argument("--log-json", default=None, help="write one JSON record per iteration to this file (rank 0)")
 
-    g = p.add_argument_group("Megatron-LM flags without effect on this path (accepted, listed once as ignored)")
+
+def _add_ignored_megatron_args(parser: argparse.ArgumentParser) -> None:
+    """Megatron-LM's flags that change nothing here (``IGNORED_FLAGS``): accepted, listed once."""
+    g = parser.add_argument_group("Megatron-LM flags without effect on this path (accepted, listed once as ignored)")
     for flag, nargs in IGNORED_FLAGS.items():
         if nargs == 0:
             g.add_argument(flag, action="store_const", const=True, default=None, help=_IGNORED_HELP)
         else:
             g.add_argument(flag, nargs=None if nargs == 1 else nargs, default=None, help=_IGNORED_HELP)
-    add_sequence_chunk_args(p)
-    add_evaluation_logging_args(p)
-    return p
 
 
 def add_tokenizer_args(group: argparse._ActionsContainer) -> None:
@@ -384,10 +414,40 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
     """Fill derived defaults, map Megatron-LM's flags and reject inconsistent sizes (ValueError naming the flag).
 
     Sets ``args.compat_notes``: lines for rank 0 to print once (flags ignored or turned off on this path).
+    The checks run in one fixed order (parallel sizes, model shape, batch sizes, training length, data,
+    tokenizer, checkpointing and launch, context-parallel mode), so a command line with several mistakes
+    reports the same first one every time.
     """
-    tp, pp, cp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.context_parallel_size
     args.compat_notes = []
     _map_megatron_flags(args)
+    _resolve_parallel_sizes(args, world_size)
+    _check_model_shape(args)
+    _resolve_batch_sizes(args)
+    _resolve_training_length(args)
+    _check_per_token_loss(args)
+    if args.attention_dropout != 0.0:
+        raise ValueError("--attention-dropout must be 0.0: HSAP attention has no dropout")
+    if args.data_path is not None and args.mock_data:
+        raise ValueError("--data-path and --mock-data are mutually exclusive")
+    validate_evaluation_logging_args(args)
+    if args.min_lr > args.lr:
+        raise ValueError(f"--min-lr ({args.min_lr:g}) must not exceed --lr ({args.lr:g})")
+    _check_data_paths(args)
+    _resolve_tokenizer(args)
+    _check_checkpoint_and_launch_args(args)
+    if args.context_parallel_mode == "auto":
+        from megatron_hsap.training.auto_mode import resolve_auto_mode
+
+        args.compat_notes.append(resolve_auto_mode(args))
+    _check_ulysses_fits_a_node(args, world_size)
+    resolve_sequence_chunks(args)
+    if args.ignored_flags:
+        args.compat_notes.append(f"ignored on this path: {', '.join(args.ignored_flags)}")
+
+
+def _resolve_parallel_sizes(args: argparse.Namespace, world_size: int) -> None:
+    """``args.world_size`` and ``args.data_parallel_size`` from the TP x PP x CP sizes."""
+    tp, pp, cp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.context_parallel_size
     if world_size % (tp * pp * cp) != 0:
         raise ValueError(f"world size {world_size} is not divisible by --tensor-model-parallel-size ({tp}) x "
                          f"--pipeline-model-parallel-size ({pp}) x --context-parallel-size ({cp}); start a multiple "
@@ -395,6 +455,12 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
                          f"on GPUs")
     args.world_size = world_size
     args.data_parallel_size = world_size // (tp * pp * cp)
+
+
+def _check_model_shape(args: argparse.Namespace) -> None:
+    """Heads, sequence length and layers against TP, CP and PP (fills --num-query-groups and
+    --max-position-embeddings; turns --sequence-parallel off with TP 1, as Megatron-LM)."""
+    tp, pp, cp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.context_parallel_size
     if args.num_query_groups is None:
         args.num_query_groups = args.num_attention_heads
     if args.num_attention_heads % args.num_query_groups != 0:
@@ -430,6 +496,11 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
         if (args.num_layers // pp) % args.num_layers_per_virtual_pipeline_stage != 0:
             raise ValueError(f"layers per pipeline stage ({args.num_layers // pp}) must be divisible by "
                              f"--num-layers-per-virtual-pipeline-stage ({args.num_layers_per_virtual_pipeline_stage})")
+
+
+def _resolve_batch_sizes(args: argparse.Namespace) -> None:
+    """--global-batch-size (default micro x data-parallel) and ``args.num_microbatches``."""
+    pp = args.pipeline_model_parallel_size
     mbs_dp = args.micro_batch_size * args.data_parallel_size
     if args.global_batch_size is None:
         args.global_batch_size = mbs_dp
@@ -440,15 +511,10 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
     if args.num_layers_per_virtual_pipeline_stage is not None and args.num_microbatches % pp != 0:
         raise ValueError(f"the interleaved schedule needs the number of micro-batches ({args.num_microbatches}) "
                          f"to be divisible by --pipeline-model-parallel-size ({pp})")
-    _resolve_training_length(args)
-    _check_per_token_loss(args)
-    if args.attention_dropout != 0.0:
-        raise ValueError("--attention-dropout must be 0.0: HSAP attention has no dropout")
-    if args.data_path is not None and args.mock_data:
-        raise ValueError("--data-path and --mock-data are mutually exclusive")
-    validate_evaluation_logging_args(args)
-    if args.min_lr > args.lr:
-        raise ValueError(f"--min-lr ({args.min_lr:g}) must not exceed --lr ({args.lr:g})")
+
+
+def _check_data_paths(args: argparse.Namespace) -> None:
+    """Weights and the .bin/.idx files of --data-path, --valid-data-path and --test-data-path."""
     for flag, paths in (("--data-path", args.data_path), ("--valid-data-path", args.valid_data_path),
                         ("--test-data-path", args.test_data_path)):
         _check_weights(flag, paths or [])
@@ -458,6 +524,10 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
                 raise ValueError(f"{flag}: {', '.join(missing)} not found; build it with tools/preprocess_data.py, "
                                  "or use --mock-data, or omit --data-path to train on the embedded corpus")
             check_indexed_dataset(prefix)
+
+
+def _resolve_tokenizer(args: argparse.Namespace) -> None:
+    """--tokenizer-type (implied by --vocab-file) and the files or sizes it needs; the embedded corpus is bytes."""
     implied = args.tokenizer_type is None and args.vocab_file is not None
     args.tokenizer_type = resolve_tokenizer_type(args.tokenizer_type, args.vocab_file, args.merge_file)
     try:
@@ -470,6 +540,10 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
     if args.data_path is None and not args.mock_data and args.tokenizer_type != "ByteLevelTokenizer":
         raise ValueError("without --data-path the embedded corpus is used, which needs --tokenizer-type "
                          "ByteLevelTokenizer; pass --data-path (or --mock-data) to use another tokenizer")
+
+
+def _check_checkpoint_and_launch_args(args: argparse.Namespace) -> None:
+    """--save-interval needs --save, --load is a directory, --nproc agrees with the launcher's WORLD_SIZE."""
     if args.save_interval is not None and args.save is None:
         raise ValueError("--save-interval needs --save")
     if args.load is not None and os.path.exists(args.load) and not os.path.isdir(args.load):
@@ -477,14 +551,6 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
     if args.nproc is not None and "WORLD_SIZE" in os.environ and int(os.environ["WORLD_SIZE"]) != args.nproc:
         raise ValueError(f"--nproc ({args.nproc}) conflicts with the launcher's WORLD_SIZE "
                          f"({os.environ['WORLD_SIZE']})")
-    if args.context_parallel_mode == "auto":
-        from megatron_hsap.training.auto_mode import resolve_auto_mode
-
-        args.compat_notes.append(resolve_auto_mode(args))
-    _check_ulysses_fits_a_node(args, world_size)
-    resolve_sequence_chunks(args)
-    if args.ignored_flags:
-        args.compat_notes.append(f"ignored on this path: {', '.join(args.ignored_flags)}")
 
 
 def _given(args: argparse.Namespace, dest: str) -> bool:

@@ -28,6 +28,7 @@ import argparse
 import datetime
 import os
 import time
+from dataclasses import dataclass
 from functools import partial
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
@@ -142,7 +143,7 @@ def _loss_func(mb: PackedMicroBatch, cp_group: Any, nan_check: Any, output_tenso
 def forward_packed(mb: PackedMicroBatch, model: Any, cp_group: Any, nan_check: Any = None,
                    offload_activations: bool = False) -> Tuple[torch.Tensor, Any]:
     """Megatron's forward-step contract for one packed micro-batch already on the model's device:
-    (per-token losses ``[1, t_local]``, loss function). Shared by this loop and ``megatron_hsap.megatron_lm``.
+    (per-token losses ``[1, t_local]``, loss function). Shared by this loop and ``megatron_hsap.training.megatron_lm``.
     ``offload_activations``: the activations saved for backward live in host memory (``HostOffload``)."""
     with saved_activations_on_host(offload_activations, mb.tokens.device):
         output = model(mb.tokens, mb.position_ids, None, labels=mb.labels, packed_seq_params=mb.packed_seq_params)
@@ -268,19 +269,69 @@ class _Evaluator:
         return _reduce_loss(losses, self.device)
 
 
+@dataclass
+class _TrainingRun:
+    """What the setup phase builds and the step, evaluation and save phases use."""
+
+    args: argparse.Namespace
+    log: IterationLogger
+    model: List[Any]  # the model chunks (one per virtual pipeline stage)
+    optimizer: Any
+    scheduler: Any
+    device: torch.device
+    data_iterator: Any  # one packed micro-batch iterator, or one per model chunk (interleaved schedule)
+    forward_backward: Any  # Megatron-Core's schedule
+    step: Callable[..., Tuple[torch.Tensor, Any]]  # the forward step it calls
+    evaluator: _Evaluator
+    nan_check: Any
+    valid_dataset: Any
+    test_dataset: Any
+    plan_summary: Optional[PlanSummary]
+    start: int  # the last iteration done before this run (0, or the loaded checkpoint's)
+    flops: Optional[float]  # model FLOPs of one global batch (--log-throughput)
+
+
 def _train(args: argparse.Namespace, signals: Any, started: float) -> List[IterationRecord]:
-    from megatron.core.distributed import finalize_model_grads
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+    """Megatron-LM's ``train``: setup, then per iteration a step, a periodic evaluation, an exit check and a
+    save; after the last iteration (no early exit) the final validation and test evaluations."""
+    run = _setup_training(args)
+    records: List[IterationRecord] = []
+    iteration = run.start
+    for iteration in range(run.start + 1, args.train_iters + 1):
+        record = _train_step(run, iteration)
+        records.append(record)
+        run.log.record(record)
+        if run.valid_dataset is not None and iteration % args.eval_interval == 0:
+            _log_evaluation(run.evaluator, run.log, run.valid_dataset, "validation",
+                            iteration // args.eval_interval - 1, f"iteration {iteration}", iteration, args, "periodic")
+        reason = _exit_reason(run, iteration, signals, started)
+        stop = iteration == args.train_iters or bool(reason)
+        if args.save is not None and ((args.save_interval and iteration % args.save_interval == 0) or stop):
+            _save(run, iteration)
+        if reason:
+            run.log.info(f"exiting after iteration {iteration}: {reason}")
+            break
+    else:  # training completed (no early exit): Megatron-LM's final validation and test evaluations
+        _final_evaluations(run, iteration)
+    if records:
+        run.log.info(f"done: lm loss {records[0].loss:.4f} (iteration {records[0].iteration}) -> "
+                     f"{records[-1].loss:.4f} (iteration {records[-1].iteration})")
+    if run.plan_summary is not None and run.plan_summary.run.planned.micro_batches:
+        run.log.info(run.plan_summary.run.line())
+    run.log.close()
+    return records
+
+
+def _setup_training(args: argparse.Namespace) -> _TrainingRun:
+    """Process groups, logger, tokenizer, datasets, model, optimizer and scheduler (loaded from --load), the
+    gradient hooks, the start-up lines, and the packed micro-batch iterators from the first iteration to run."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    from megatron_hsap.instrumentation import comm_stats
-    from megatron_hsap.training.checkpoint import load_checkpoint, save_checkpoint
+    from megatron_hsap.training.checkpoint import load_checkpoint
     from megatron_hsap.training.data import build_datasets
     from megatron_hsap.training.iteration_log import make_writers, num_floating_point_operations
     from megatron_hsap.training.model import build_model, padded_vocab_size, transformer_config
     from megatron_hsap.training.nonfinite import NonFiniteCheck
-    from megatron_hsap.training.preemption import exit_reason
     from megatron_hsap.training.tokenizer import build_tokenizer
 
     topology, mpu = _setup(args)
@@ -298,35 +349,20 @@ def _train(args: argparse.Namespace, signals: Any, started: float) -> List[Itera
     dataset, valid_dataset, test_dataset = build_datasets(args, tokenizer)
     config = transformer_config(args)
     model = build_model(args, config, cp_config, tokenizer.vocab_size)
-    optimizer = get_megatron_optimizer(
-        OptimizerConfig(optimizer="adam", lr=args.lr, min_lr=args.min_lr, weight_decay=args.weight_decay,
-                        adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2, clip_grad=args.clip_grad,
-                        bf16=args.bf16, params_dtype=config.params_dtype,
-                        decoupled_lr=args.decoupled_lr, decoupled_min_lr=args.decoupled_min_lr,
-                        use_distributed_optimizer=args.use_distributed_optimizer), model)
-    scheduler = OptimizerParamScheduler(
-        optimizer, init_lr=0.0, max_lr=args.lr, min_lr=args.min_lr,
-        lr_warmup_steps=args.lr_warmup_steps, lr_decay_steps=args.lr_decay_steps, lr_decay_style=args.lr_decay_style,
-        start_wd=args.weight_decay, end_wd=args.weight_decay, wd_incr_steps=args.wd_incr_steps,
-        wd_incr_style="constant", override_opt_param_scheduler=args.override_opt_param_scheduler,
-        use_checkpoint_opt_param_scheduler=not args.override_opt_param_scheduler)
+    optimizer, scheduler = _build_optimizer(args, config, model)
     start = 0
     if args.load is not None:
         progress.set_phase("loading checkpoint")
         start = load_checkpoint(args.load, model, optimizer, scheduler, args, log=log.info)
 
     nan_check = NonFiniteCheck(model) if args.check_for_nan_in_loss_and_grad else None
-    config.grad_scale_func = optimizer.scale_loss
-    config.finalize_model_grads_func = (finalize_model_grads if nan_check is None else
-                                        partial(_check_then_finalize, nan_check, finalize_model_grads))
-    config.no_sync_func = [m.no_sync for m in model] if len(model) > 1 else model[0].no_sync
+    _install_gradient_hooks(config, optimizer, model, nan_check)
     for line in configuration_lines(args, topology, cp_config, _kernel_description(cp_config.kernel)):
         log.info(line)
     log.info(f"megatron-hsap: model: {sum(p.numel() for m in model for p in m.parameters())} parameters on rank 0")
 
     device = next(model[0].parameters()).device
     dp_rank = mpu.get_data_parallel_rank()
-
     eod, split_at_eod = tokenizer.eod, args.reset_attention_mask
     cu_seqlens_of = partial(_cu_seqlens_of, eod, split_at_eod)
 
@@ -339,85 +375,124 @@ def _train(args: argparse.Namespace, signals: Any, started: float) -> List[Itera
     # One iterator per model chunk: the interleaved schedule reads each micro-batch once per chunk.
     iterators = [packed(dataset, start, None, plan_summary=plan_summary if i == 0 else None)
                  for i in range(len(model))]
-    data_iterator = iterators if len(model) > 1 else iterators[0]
     forward_backward = get_forward_backward_func()
-    evaluator = _Evaluator(args, model, forward_backward, mpu.get_context_parallel_group(), packed, device)
-    step = partial(_forward_step, mpu.get_context_parallel_group(), nan_check, args.offload_checkpointed_activations,
-                   model)
-    check_exit = signals is not None or args.exit_duration_in_mins is not None
-    tokens_per_iter = args.global_batch_size * args.seq_length
+    cp_group = mpu.get_context_parallel_group()
     flops = (num_floating_point_operations(args, args.global_batch_size,
                                            padded_vocab_size(tokenizer.vocab_size, args))
              if args.log_throughput else None)
-    records: List[IterationRecord] = []
-    iteration = start
-    for iteration in range(start + 1, args.train_iters + 1):
-        for chunk in model:
-            chunk.zero_grad_buffer()
-        optimizer.zero_grad()
-        progress.set_phase("forward-backward", iteration)
-        before, t0 = comm_stats(), time.perf_counter()
-        offloaded_before = HostOffload.total_offloaded_bytes
-        losses = forward_backward(forward_step_func=step, data_iterator=data_iterator, model=model,
+    return _TrainingRun(
+        args=args, log=log, model=model, optimizer=optimizer, scheduler=scheduler, device=device,
+        data_iterator=iterators if len(model) > 1 else iterators[0], forward_backward=forward_backward,
+        step=partial(_forward_step, cp_group, nan_check, args.offload_checkpointed_activations, model),
+        evaluator=_Evaluator(args, model, forward_backward, cp_group, packed, device), nan_check=nan_check,
+        valid_dataset=valid_dataset, test_dataset=test_dataset, plan_summary=plan_summary, start=start, flops=flops)
+
+
+def _build_optimizer(args: argparse.Namespace, config: Any, model: List[Any]) -> Tuple[Any, Any]:
+    """Megatron-Core's Adam (distributed with --use-distributed-optimizer) and its learning-rate scheduler."""
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    optimizer = get_megatron_optimizer(
+        OptimizerConfig(optimizer="adam", lr=args.lr, min_lr=args.min_lr, weight_decay=args.weight_decay,
+                        adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2, clip_grad=args.clip_grad,
+                        bf16=args.bf16, params_dtype=config.params_dtype,
+                        decoupled_lr=args.decoupled_lr, decoupled_min_lr=args.decoupled_min_lr,
+                        use_distributed_optimizer=args.use_distributed_optimizer), model)
+    scheduler = OptimizerParamScheduler(
+        optimizer, init_lr=0.0, max_lr=args.lr, min_lr=args.min_lr,
+        lr_warmup_steps=args.lr_warmup_steps, lr_decay_steps=args.lr_decay_steps, lr_decay_style=args.lr_decay_style,
+        start_wd=args.weight_decay, end_wd=args.weight_decay, wd_incr_steps=args.wd_incr_steps,
+        wd_incr_style="constant", override_opt_param_scheduler=args.override_opt_param_scheduler,
+        use_checkpoint_opt_param_scheduler=not args.override_opt_param_scheduler)
+    return optimizer, scheduler
+
+
+def _install_gradient_hooks(config: Any, optimizer: Any, model: List[Any], nan_check: Any) -> None:
+    """The schedule's hooks on the transformer config: loss scaling, the DP/CP gradient reduction (after the
+    NaN/Inf check of this rank's gradients when it is on) and DDP's no_sync per chunk."""
+    from megatron.core.distributed import finalize_model_grads
+
+    config.grad_scale_func = optimizer.scale_loss
+    config.finalize_model_grads_func = (finalize_model_grads if nan_check is None else
+                                        partial(_check_then_finalize, nan_check, finalize_model_grads))
+    config.no_sync_func = [m.no_sync for m in model] if len(model) > 1 else model[0].no_sync
+
+
+def _train_step(run: _TrainingRun, iteration: int) -> IterationRecord:
+    """One iteration: forward-backward over the global batch, the NaN/Inf check, the optimizer and scheduler
+    step, then the record (loss on every rank, CP bytes as the maximum over ranks)."""
+    from megatron_hsap.instrumentation import comm_stats
+
+    args, model, optimizer = run.args, run.model, run.optimizer
+    for chunk in model:
+        chunk.zero_grad_buffer()
+    optimizer.zero_grad()
+    progress.set_phase("forward-backward", iteration)
+    before, t0 = comm_stats(), time.perf_counter()
+    offloaded_before = HostOffload.total_offloaded_bytes
+    losses = run.forward_backward(forward_step_func=run.step, data_iterator=run.data_iterator, model=model,
                                   num_microbatches=args.num_microbatches,
                                   seq_length=args.micro_batch_size * args.seq_length, micro_batch_size=1,
                                   forward_only=False)
-        progress.set_phase("optimizer step", iteration)
-        if nan_check is not None:
-            nan_check.raise_if_found(iteration)
-        update_ok, grad_norm, _ = optimizer.step()
-        if update_ok:
-            scheduler.step(increment=args.global_batch_size)
-        elif nan_check is not None:  # only fp16 loss scaling skips an update, and only on non-finite gradients
-            raise RuntimeError(f"iteration {iteration}: optimizer step skipped (non-finite gradients)")
-        loss = _reduce_loss(losses, device)
-        elapsed = time.perf_counter() - t0
-        sent = comm_stats().minus(before)
-        cp_bytes = torch.tensor([sent.send_bytes_intra, sent.send_bytes_inter], dtype=torch.int64, device=device)
-        dist.all_reduce(cp_bytes, op=dist.ReduceOp.MAX)
-        record = IterationRecord(iteration=iteration, loss=loss, lr=scheduler.get_lr(optimizer.param_groups[0]),
-                                 grad_norm=float("nan") if grad_norm is None else float(grad_norm),
-                                 tokens_per_s=tokens_per_iter / elapsed,
-                                 elapsed_ms=1000 * elapsed, peak_memory_bytes=peak_memory_bytes(),
-                                 cp_bytes_intra=int(cp_bytes[0]), cp_bytes_inter=int(cp_bytes[1]),
-                                 cp_bytes_by_op=_bytes_by_op(sent.sent),
-                                 consumed_samples=iteration * args.global_batch_size,
-                                 global_batch_size=args.global_batch_size,
-                                 loss_scale=float(optimizer.get_loss_scale()), skipped=not update_ok,
-                                 tflops_per_gpu=None if flops is None else flops / (elapsed * 1e12 * args.world_size),
-                                 host_offload_bytes=HostOffload.total_offloaded_bytes - offloaded_before)
-        records.append(record)
-        log.record(record)
-        if valid_dataset is not None and iteration % args.eval_interval == 0:
-            _log_evaluation(evaluator, log, valid_dataset, "validation", iteration // args.eval_interval - 1,
-                            f"iteration {iteration}", iteration, args, "periodic")
-        reason = exit_reason(signals, started, args.exit_duration_in_mins, device) if check_exit else ""
-        if args.exit_interval and iteration % args.exit_interval == 0:
-            reason = reason or f"--exit-interval {args.exit_interval}"
-        stop = iteration == args.train_iters or bool(reason)
-        if args.save is not None and ((args.save_interval and iteration % args.save_interval == 0) or stop):
-            progress.set_phase("saving checkpoint", iteration)
-            t_save = time.perf_counter()
-            save_checkpoint(args.save, iteration, model, optimizer, scheduler, args)
-            log.info(f"saved checkpoint at iteration {iteration} to {args.save} in "
-                     f"{time.perf_counter() - t_save:.2f} s")
-        if reason:
-            log.info(f"exiting after iteration {iteration}: {reason}")
-            break
-    else:  # training completed (no early exit): Megatron-LM's final validation and test evaluations
-        if valid_dataset is not None:
-            _log_evaluation(evaluator, log, valid_dataset, "validation", args.train_iters // args.eval_interval,
-                            f"iteration {iteration} on validation set", iteration, args, "final")
-        if test_dataset is not None:
-            _log_evaluation(evaluator, log, test_dataset, "test", 0, f"iteration {iteration} on test set",
-                            iteration, args, "final")
-    if records:
-        log.info(f"done: lm loss {records[0].loss:.4f} (iteration {records[0].iteration}) -> "
-                 f"{records[-1].loss:.4f} (iteration {records[-1].iteration})")
-    if plan_summary is not None and plan_summary.run.planned.micro_batches:
-        log.info(plan_summary.run.line())
-    log.close()
-    return records
+    progress.set_phase("optimizer step", iteration)
+    if run.nan_check is not None:
+        run.nan_check.raise_if_found(iteration)
+    update_ok, grad_norm, _ = optimizer.step()
+    if update_ok:
+        run.scheduler.step(increment=args.global_batch_size)
+    elif run.nan_check is not None:  # only fp16 loss scaling skips an update, and only on non-finite gradients
+        raise RuntimeError(f"iteration {iteration}: optimizer step skipped (non-finite gradients)")
+    loss = _reduce_loss(losses, run.device)
+    elapsed = time.perf_counter() - t0
+    sent = comm_stats().minus(before)
+    cp_bytes = torch.tensor([sent.send_bytes_intra, sent.send_bytes_inter], dtype=torch.int64, device=run.device)
+    dist.all_reduce(cp_bytes, op=dist.ReduceOp.MAX)
+    return IterationRecord(iteration=iteration, loss=loss, lr=run.scheduler.get_lr(optimizer.param_groups[0]),
+                           grad_norm=float("nan") if grad_norm is None else float(grad_norm),
+                           tokens_per_s=args.global_batch_size * args.seq_length / elapsed,
+                           elapsed_ms=1000 * elapsed, peak_memory_bytes=peak_memory_bytes(),
+                           cp_bytes_intra=int(cp_bytes[0]), cp_bytes_inter=int(cp_bytes[1]),
+                           cp_bytes_by_op=_bytes_by_op(sent.sent),
+                           consumed_samples=iteration * args.global_batch_size,
+                           global_batch_size=args.global_batch_size,
+                           loss_scale=float(optimizer.get_loss_scale()), skipped=not update_ok,
+                           tflops_per_gpu=(None if run.flops is None else
+                                           run.flops / (elapsed * 1e12 * args.world_size)),
+                           host_offload_bytes=HostOffload.total_offloaded_bytes - offloaded_before)
+
+
+def _exit_reason(run: _TrainingRun, iteration: int, signals: Any, started: float) -> str:
+    """Why all ranks stop after ``iteration`` (an exit signal, --exit-duration-in-mins, --exit-interval), or ""."""
+    from megatron_hsap.training.preemption import exit_reason
+
+    args = run.args
+    check_exit = signals is not None or args.exit_duration_in_mins is not None
+    reason = exit_reason(signals, started, args.exit_duration_in_mins, run.device) if check_exit else ""
+    if args.exit_interval and iteration % args.exit_interval == 0:
+        reason = reason or f"--exit-interval {args.exit_interval}"
+    return reason
+
+
+def _save(run: _TrainingRun, iteration: int) -> None:
+    from megatron_hsap.training.checkpoint import save_checkpoint
+
+    progress.set_phase("saving checkpoint", iteration)
+    t_save = time.perf_counter()
+    save_checkpoint(run.args.save, iteration, run.model, run.optimizer, run.scheduler, run.args)
+    run.log.info(f"saved checkpoint at iteration {iteration} to {run.args.save} in "
+                 f"{time.perf_counter() - t_save:.2f} s")
+
+
+def _final_evaluations(run: _TrainingRun, iteration: int) -> None:
+    """Megatron-LM's evaluations after the last iteration: the validation split's next, then the test split's."""
+    args = run.args
+    if run.valid_dataset is not None:
+        _log_evaluation(run.evaluator, run.log, run.valid_dataset, "validation", args.train_iters // args.eval_interval,
+                        f"iteration {iteration} on validation set", iteration, args, "final")
+    if run.test_dataset is not None:
+        _log_evaluation(run.evaluator, run.log, run.test_dataset, "test", 0, f"iteration {iteration} on test set",
+                        iteration, args, "final")
 
 
 def _plan_summary(args: argparse.Namespace, layout: str) -> PlanSummary:

@@ -109,7 +109,8 @@ def model_device() -> torch.device:
 def build_gpt_chunk(args: argparse.Namespace, config: Any, cp_config: ContextParallelConfig, padded_vocab: int,
                     pre_process: bool, post_process: bool, vp_stage: Optional[int]) -> Any:
     """One unwrapped GPTModel chunk with the HSAP layer spec (also Megatron-LM's model provider's, see
-    ``megatron_hsap.megatron_lm``). ``args`` needs Megatron-LM's model flags plus ``--mlp/loss-sequence-chunks``."""
+    ``megatron_hsap.training.megatron_lm``). ``args`` needs Megatron-LM's model flags plus
+    ``--mlp/loss-sequence-chunks``."""
     from megatron_hsap.megatron.sequence_chunks import HSAPGPTModel
 
     # --transformer-impl's default (None): TE where it can run, as its help says

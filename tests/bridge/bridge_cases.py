@@ -51,7 +51,7 @@ def pretrain_losses(bridge_forward_step: bool = False, **recipe_kwargs: Any) -> 
     """
     if recipe_kwargs.get("save"):
         multiprocessing.current_process()._config["daemon"] = False
-    from megatron_hsap.bridge import forward_step
+    from megatron_hsap.training.bridge import forward_step
 
     cfg = _recipe_module().tiny_gpt_recipe(**recipe_kwargs)
     step = forward_step

@@ -7,7 +7,7 @@ import pytest
 from tests.bridge.bridge_cases import _recipe_module, attach_topology_over_other_groups
 from tests.distributed import run_distributed
 
-from megatron_hsap.bridge import HSAPLayerSpec, configure_hsap
+from megatron_hsap.training.bridge import HSAPLayerSpec, configure_hsap
 from megatron_hsap.config import ContextParallelConfig
 
 

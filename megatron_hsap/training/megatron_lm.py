@@ -1,6 +1,6 @@
 """HSAP context parallelism inside Megatron-LM's own ``pretrain()``.
 
-    torchrun --nproc-per-node 8 -m megatron_hsap.megatron_lm \
+    torchrun --nproc-per-node 8 -m megatron_hsap.training.megatron_lm \
         <Megatron-LM's pretrain_gpt.py flags> --context-parallel-size 8 --context-parallel-mode hsap
 
 runs Megatron-LM's ``megatron.training.pretrain`` with this module's providers and forward step, in the
@@ -180,7 +180,8 @@ def get_batch(data_iterator: Optional[Iterator[Any]], model: Any, eod: Optional[
 
     if data_iterator is None:
         raise ValueError("data_iterator is None on this rank: HSAP needs the micro-batch on every pipeline stage; "
-                         "use megatron_hsap.megatron_lm.train_valid_test_datasets_provider (is_distributed=True)")
+                         "use megatron_hsap.training.megatron_lm.train_valid_test_datasets_provider "
+                         "(is_distributed=True)")
     if eod is None or split_at_eod is None:
         from megatron.training import get_tokenizer
 
@@ -245,7 +246,7 @@ def main(argv: Optional[List[str]] = None) -> None:
         from megatron.core.enums import ModelType
         from megatron.training import pretrain
     except ImportError as err:
-        raise SystemExit(f"megatron_hsap.megatron_lm needs Megatron-LM's megatron.training ({err}); put a "
+        raise SystemExit(f"megatron_hsap.training.megatron_lm needs Megatron-LM's megatron.training ({err}); put a "
                          "Megatron-LM checkout on PYTHONPATH (megatron-core 0.17+ ships it in its wheel)") from err
     argv = list(sys.argv[1:] if argv is None else argv)
     if apply_megatron_lm_cpu_shim() and "--distributed-backend" not in argv:
