@@ -41,6 +41,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import logging
 import os
 import random
 import re
@@ -48,7 +49,7 @@ import shutil
 import time
 import zlib
 from functools import partial
-from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -290,11 +291,12 @@ def save_checkpoint(root: str, iteration: int, model: List[Any], optimizer: Any,
     metadata = _content_metadata(args)
     fault_injection.inject("before-save", iteration)
     try:
-        dist_checkpointing.save(_state_dict(args, model, optimizer, scheduler, iteration, metadata, rng=True,
-                                            is_loading=False), staging, content_metadata=metadata)
+        with _writer_error_log() as logged:
+            dist_checkpointing.save(_state_dict(args, model, optimizer, scheduler, iteration, metadata, rng=True,
+                                                is_loading=False), staging, content_metadata=metadata)
     except CheckpointException as err:  # a BaseException: its message lists ranks, not the cause
         raise RuntimeError(f"--save {root!r}: saving iteration {iteration} into {staging} failed: "
-                           f"{_checkpoint_failure(err)}") from None
+                           f"{_checkpoint_failure(err, logged)}") from None
     fault_injection.inject("save", iteration)
     dist.barrier()
     try:
@@ -313,14 +315,35 @@ def _os_error(err: OSError) -> str:
     return f"{type(err).__name__}: {err}"
 
 
-def _checkpoint_failure(err: BaseException) -> str:
+@contextlib.contextmanager
+def _writer_error_log() -> Iterator[List[str]]:
+    """The error lines megatron-core's checkpoint writer logs in this process meanwhile: from 0.19 it passes
+    on only the class of a write error (an assertion on its type) and logs the error itself."""
+    logged: List[str] = []
+
+    class _Collect(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            logged.append(record.getMessage())
+
+    logger = logging.getLogger("megatron.core.dist_checkpointing.strategies.filesystem_async")
+    handler = _Collect(logging.ERROR)
+    logger.addHandler(handler)
+    try:
+        yield logged
+    finally:
+        logger.removeHandler(handler)
+
+
+def _checkpoint_failure(err: BaseException, logged: Sequence[str] = ()) -> str:
     """The causes inside torch's ``CheckpointException`` (rank -> (exception, traceback)), one per rank; an
-    OS error as its description and file, also when megatron-core's writer passed it on as text."""
+    OS error as its description and file, also when megatron-core's writer passed it on as text or only
+    logged it (``logged``: this rank's writer error lines)."""
     causes = []
     for rank, (exc, _) in sorted(getattr(err, "failures", {}).items()):
         while not isinstance(exc, OSError) and (exc.__cause__ or exc.__context__) is not None:
             exc = exc.__cause__ or exc.__context__
-        os_error = re.search(r"\[Errno \d+\] ([^:]+): '([^']+)'", str(exc))
+        texts = [str(exc)] + (list(logged) if rank == dist.get_rank() else [])
+        os_error = next(filter(None, (re.search(r"\[Errno \d+\] ([^:]+): '([^']+)'", t) for t in texts)), None)
         cause = (_os_error(exc) if isinstance(exc, OSError) else f"{os_error.group(1)}: {os_error.group(2)}"
                  if os_error else f"{type(exc).__name__}: {exc}")
         causes.append(f"rank {rank}: {cause}")
