@@ -9,8 +9,11 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import signal
 import subprocess
+import sys
+import tempfile
 import time
 
 import pytest
@@ -19,7 +22,7 @@ from megatron_hsap.training.save_lock import lock_save_directory
 
 from tests.distributed import run_distributed
 from tests.test_fault_tolerance import TINY
-from tests.test_training_pretrain import _run
+from tests.test_training_pretrain import ROOT, _run
 
 #: A run that outlives this is a hang (the bug these tests guard against): the test fails instead of waiting.
 HANG_SECONDS = 90
@@ -125,6 +128,28 @@ def test_unwritable_save_path_is_refused_at_start_up(tmp_path, under_file):
     save = tmp_path / "file" / "ckpt" if under_file else tmp_path / "file"
     with pytest.raises(ValueError, match=rf"--save '{re.escape(str(save))}' is not a writable directory"):
         lock_save_directory(str(save))
+
+
+def test_read_only_save_directory_is_refused_at_start_up():
+    """A directory the job may not write (mode 0555). Root writes anyway, so as root the check runs in a child
+    that drops to an unprivileged user; the directory lives outside pytest's root-only tmp tree."""
+    parent = tempfile.mkdtemp(prefix="hsap_ro_")
+    try:
+        os.chmod(parent, 0o755)
+        save = os.path.join(parent, "ckpt")
+        os.mkdir(save, 0o555)
+        os.chmod(save, 0o555)
+        code = ("import os, sys\n"  # imported first: the unprivileged user may not read the interpreter's files
+                "from megatron_hsap.training.save_lock import lock_save_directory\n"
+                "if os.geteuid() == 0:\n    os.setgid(65534); os.setuid(65534)\n"
+                "try:\n    lock_save_directory(sys.argv[1])\nexcept ValueError as err:\n    print(err)\n")
+        result = subprocess.run([sys.executable, "-c", code, save], cwd=ROOT, capture_output=True, text=True,
+                                timeout=120, env=dict(os.environ, PYTHONPATH=ROOT))
+        assert result.returncode == 0, result.stderr[-2000:]
+        assert f"--save {save!r} is not a writable directory (Permission denied)" in result.stdout, result.stdout
+        assert os.listdir(save) == []
+    finally:
+        shutil.rmtree(parent)
 
 
 # ---------------------------------------------------------------- one-rank-bad attention input
