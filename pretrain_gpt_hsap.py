@@ -21,6 +21,7 @@ from megatron_hsap.training import progress  # noqa: E402
 from megatron_hsap.training.arguments import parse_args  # noqa: E402
 from megatron_hsap.training.save_lock import lock_save_directory  # noqa: E402
 from megatron_hsap.training.launch import (  # noqa: E402
+    adopt_torchrun_rank,
     freeze_imported_objects,
     launched_by_torchrun,
     spawn_local_ranks,
@@ -77,6 +78,7 @@ def main() -> int:
             print(f"pretrain_gpt_hsap.py: error: {err}", file=sys.stderr, flush=True)
             return 2
     if launched_by_torchrun():
+        adopt_torchrun_rank()
         return run_rank(args)
     stall = 2 * args.distributed_timeout_minutes if args.stall_timeout_minutes is None else args.stall_timeout_minutes
     return spawn_local_ranks(args.nproc or 1, run_rank, args, args.rank_failure_grace_seconds,

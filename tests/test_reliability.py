@@ -622,6 +622,43 @@ def _command_line(pid: int) -> str:
         return ""
 
 
+def test_sigkill_of_torchrun_leaves_no_process_behind(tmp_path, cache_dir):
+    """torchrun's ranks and their helpers die with its agent (each worker is in a session of its own, so
+    nothing else would stop them). Before: both ranks and the checkpoint writer's Manager lived on."""
+    from tests.test_fault_tolerance import _alive
+    from tests.test_training_pretrain import SCRIPT
+
+    ckpt = tmp_path / "ckpt"
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "TORCHELASTIC_RUN_ID"):
+        env.pop(name, None)
+    with open(tmp_path / "stderr", "w") as stderr:
+        agent = subprocess.Popen(
+            [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", SCRIPT] + TINY +
+            ["--context-parallel-size", "2", "--train-iters", "200", "--data-cache-path", cache_dir,
+             "--save", str(ckpt), "--save-interval", "1"], cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=stderr)
+    processes: list = []
+    try:
+        deadline = time.monotonic() + HANG_SECONDS
+        while not (ckpt / "latest_checkpointed_iteration.txt").exists():  # the first save started the helpers
+            assert agent.poll() is None and time.monotonic() < deadline, (tmp_path / "stderr").read_text()[-3000:]
+            time.sleep(0.05)
+        processes = _descendants(agent.pid)
+        assert sum(SCRIPT in _command_line(p) for p in processes) >= 2, [_command_line(p) for p in processes]
+        agent.kill()
+        agent.wait()
+        deadline = time.monotonic() + 5
+        while any(map(_alive, processes)) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        survivors = [(p, _command_line(p)) for p in processes if _alive(p)]
+    finally:
+        agent.kill()
+        for pid in processes:
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+    assert survivors == [], survivors
+
+
 def test_sigkill_of_the_launcher_leaves_no_process_behind(tmp_path, cache_dir):
     """Ranks, the checkpoint writer's spawned Manager and Python's resource tracker all die with the launcher.
     Before: the Manager and the resource tracker were alive 60 s later."""

@@ -47,7 +47,7 @@ from megatron_hsap.training import progress
 from megatron_hsap.training.quiet import quiet_rank
 from megatron_hsap.training.rank_helpers import PREEMPTION_SIGNALS, die_with_parent, shield_helpers, start_group_reaper
 
-__all__ = ["freeze_imported_objects", "launched_by_torchrun", "spawn_local_ranks",
+__all__ = ["adopt_torchrun_rank", "freeze_imported_objects", "launched_by_torchrun", "spawn_local_ranks",
            "FORWARDED_SIGNALS", "RANK_IMPORTS", "STACK_SIGNAL", "STALL_STATUS"]
 
 #: Imported by the launcher before it forks, once instead of once per rank: the training loop (Megatron-Core's
@@ -69,6 +69,19 @@ _POLL_SECONDS = 0.05
 
 def launched_by_torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def adopt_torchrun_rank() -> None:
+    """In a rank torchrun started, the rules of this launcher's ranks: die with torchrun's agent, helpers that
+    leave the preemption signals to the rank, and a reaper of the rank's process group. torchrun starts each
+    worker in a session of its own (and stops it with a signal to that group, which without the shield would
+    also stop the checkpoint writer's helpers); elsewhere (RANK/WORLD_SIZE set by hand or another launcher)
+    nothing changes."""
+    if "TORCHELASTIC_RUN_ID" not in os.environ or os.getpgid(0) != os.getpid():
+        return
+    die_with_parent(os.getppid())
+    shield_helpers()
+    start_group_reaper()
 
 
 def _free_port() -> int:
