@@ -60,18 +60,9 @@ def inter_node_rows_lower_bound(doc_lengths: Sequence[int], num_nodes: int, imba
     the first ``paired_candidates`` are paired; ``shares``: the charges are shared in steps of ``1 / shares``
     (each only tightens the bound: 0, 0 and 1 give the bound without charges, without pairs and with whole charges).
     """
-    for name, value, least in (("charged_candidates", charged_candidates, 0), ("paired_candidates", paired_candidates, 0),
-                               ("shares", shares, 1)):
-        if not isinstance(value, int) or isinstance(value, bool) or value < least:
-            raise ValueError(f"{name}={value!r} must be an int >= {least}")
-    if not isinstance(num_nodes, int) or isinstance(num_nodes, bool) or num_nodes < 1:
-        raise ValueError(f"num_nodes={num_nodes!r} must be a positive int")
-    if not imbalance >= 1.0:
-        raise ValueError(f"imbalance={imbalance!r} must be >= 1.0")
     lengths = [int(n) for n in doc_lengths]
-    if node_tokens is not None and (not isinstance(node_tokens, int) or node_tokens * num_nodes < sum(lengths)):
-        raise ValueError(f"node_tokens={node_tokens!r} must be an int with num_nodes * node_tokens >= "
-                         f"{sum(lengths)} (the batch's tokens)")
+    _check_bound_arguments(lengths, num_nodes, imbalance, node_tokens, charged_candidates=charged_candidates,
+                           paired_candidates=paired_candidates, shares=shares)
     areas = [causal_area(0, n) for n in lengths]
     cap = imbalance * sum(areas) / num_nodes
     sparsest = _Sparsest(lengths) if node_tokens is not None else None
@@ -86,6 +77,30 @@ def inter_node_rows_lower_bound(doc_lengths: Sequence[int], num_nodes: int, imba
             terms[d].append(free)
     if sparsest is None or num_nodes < 2:
         return rows
+    return rows + _charges(lengths, areas, terms, num_nodes, node_tokens, cap, charged_candidates=charged_candidates,
+                           paired_candidates=paired_candidates, shares=shares)
+
+
+def _check_bound_arguments(lengths: Sequence[int], num_nodes: int, imbalance: float, node_tokens: Optional[int], *,
+                           charged_candidates: int, paired_candidates: int, shares: int) -> None:
+    """``inter_node_rows_lower_bound``'s arguments: ValueError naming the first bad one."""
+    for name, value, least in (("charged_candidates", charged_candidates, 0), ("paired_candidates", paired_candidates, 0),
+                               ("shares", shares, 1)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < least:
+            raise ValueError(f"{name}={value!r} must be an int >= {least}")
+    if not isinstance(num_nodes, int) or isinstance(num_nodes, bool) or num_nodes < 1:
+        raise ValueError(f"num_nodes={num_nodes!r} must be a positive int")
+    if not imbalance >= 1.0:
+        raise ValueError(f"imbalance={imbalance!r} must be >= 1.0")
+    if node_tokens is not None and (not isinstance(node_tokens, int) or node_tokens * num_nodes < sum(lengths)):
+        raise ValueError(f"node_tokens={node_tokens!r} must be an int with num_nodes * node_tokens >= "
+                         f"{sum(lengths)} (the batch's tokens)")
+
+
+def _charges(lengths: Sequence[int], areas: Sequence[int], terms: List[List[int]], num_nodes: int, node_tokens: int,
+             cap: float, *, charged_candidates: int, paired_candidates: int, shares: int) -> int:
+    """The rows ``inter_node_rows_lower_bound`` adds by charging the largest documents' terms (``terms[d][k-1]``:
+    document d's term for k nodes) for the other documents their nodes must take, singly and in one pair."""
     candidates = [d for d in sorted(range(len(lengths)), key=areas.__getitem__, reverse=True)[:charged_candidates]
                   if areas[d] > cap / 4]
     # Documents whose rows some term counts may join the nodes free of charge (their rows are counted already).
@@ -118,7 +133,7 @@ def inter_node_rows_lower_bound(doc_lengths: Sequence[int], num_nodes: int, imba
             if gains:
                 rest = [g for key, g in singles.items() if key not in ((a, ka), (b, kb))]
                 best = max(best, _best_shares(rest + [gains], shares))
-    return rows + best
+    return best
 
 
 def _charged_gains(docs: Tuple[int, ...], lows: Tuple[int, ...], unions: Sequence[Tuple[int, float]],
