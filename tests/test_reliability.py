@@ -413,11 +413,13 @@ def _megatron_core_drops_the_writer_error() -> bool:
 def test_disk_full_during_a_save_names_the_cause_and_the_file(tmp_path, cache_dir):
     """Before: ``error: rank 0, saving checkpoint: CheckpointException ranks:dict_keys([0])`` (torch's
     ``CheckpointException`` is a BaseException whose message lists the ranks, not the cause). Rank 0 writes
-    every shard here (the CP ranks hold replicas), so its writer gets the full disk."""
+    every shard here (the CP ranks hold replicas), so its writer gets the full disk. Both ranks learn of the
+    failure in the same collective and report it; rank 0 does not exit by itself afterwards (it is killed when
+    the launcher's grace ends), so the run gets 3 s of grace instead of the default 10."""
     ckpt = tmp_path / "ckpt"
     result = _run(TINY + ["--context-parallel-size", "2", "--train-iters", "2", "--data-cache-path", cache_dir,
-                          "--save", str(ckpt), "--save-interval", "1"], 2, timeout=HANG_SECONDS,
-                  env={"HSAP_TEST_FAULT": "disk-full-in-save@0:1"})
+                          "--save", str(ckpt), "--save-interval", "1", "--rank-failure-grace-seconds", "3"], 2,
+                  timeout=HANG_SECONDS, env={"HSAP_TEST_FAULT": "disk-full-in-save@0:1"})
     assert result.returncode == 1, result.stderr[-3000:]
     staging = ckpt / "iter_0000001.partial"
     line = re.compile(rf"error: rank \d, iteration 1 \(saving checkpoint\): --save '{re.escape(str(ckpt))}': saving "
