@@ -39,11 +39,6 @@ def _launcher_lines(stderr: str) -> str:
     return "\n".join(line for line in stderr.splitlines() if line.startswith("pretrain_gpt_hsap.py:"))
 
 
-@pytest.fixture(scope="module")
-def cache_dir(tmp_path_factory) -> str:
-    return str(tmp_path_factory.mktemp("hsap_cache"))
-
-
 def test_distributed_timeout_bounds_every_group(cache_dir):
     """With the watchdog off, the CP group's collective must time out after --distributed-timeout-minutes
     (Megatron-Core's groups default to 30 minutes unless given the timeout)."""

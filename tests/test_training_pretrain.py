@@ -32,11 +32,6 @@ RTOL = 1e-5
 ITERS = 4
 
 
-@pytest.fixture(scope="module")
-def cache_dir(tmp_path_factory) -> str:
-    return str(tmp_path_factory.mktemp("hsap_cache"))
-
-
 def _run(flags: List[str], nproc: int, timeout: float = 420, env: Optional[Dict[str, str]] = None,
          fresh: bool = False) -> subprocess.CompletedProcess:
     """One CLI run (``env``: extra environment variables); a run that does not finish within ``timeout`` fails
