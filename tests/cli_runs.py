@@ -85,10 +85,13 @@ def _script_main(script: str, argv: List[str], env: Dict[str, str], cwd: str, ou
     os.chdir(cwd)
     os.environ.clear()
     os.environ.update(env)
-    if env.get("PYTHONWARNINGS", "ignore") != "ignore":
-        raise ValueError(f"PYTHONWARNINGS={env['PYTHONWARNINGS']!r}: only 'ignore' is emulated; use run_fresh")
-    if "PYTHONWARNINGS" in env:  # what the interpreter would have read at startup
+    if env.get("PYTHONWARNINGS", "ignore") not in ("ignore", ""):
+        raise ValueError(f"PYTHONWARNINGS={env['PYTHONWARNINGS']!r}: only 'ignore' and '' are emulated; use "
+                         "run_fresh")
+    if env.get("PYTHONWARNINGS") == "ignore":  # what the interpreter would have read at startup
         warnings.simplefilter("ignore")
+    elif env.get("PYTHONWARNINGS") == "":
+        _default_warning_filters()
     sys.argv = [script] + argv
     spec = importlib.util.spec_from_file_location("_hsap_cli_script", script)
     module = importlib.util.module_from_spec(spec)
@@ -96,3 +99,14 @@ def _script_main(script: str, argv: List[str], env: Dict[str, str], cwd: str, ou
     # As the interpreter: multiprocessing exits with a SystemExit's code (argparse's 2), prints an uncaught
     # error's traceback with status 1, and flushes stdout and stderr.
     sys.exit(module.main())
+
+
+def _default_warning_filters() -> None:
+    """The warning filters of a new interpreter without ``-W`` or ``PYTHONWARNINGS`` (CPython's ``warnings``
+    defaults, release build), replacing the forkserver's; resetting them also forgets which warnings the
+    forkserver has shown, so each shows again once. Warnings printed while the forkserver imported ``PRELOAD``
+    are not repeated: a test that checks import-time warnings runs a fresh interpreter (``run_fresh``)."""
+    warnings.resetwarnings()
+    warnings.filterwarnings("default", category=DeprecationWarning, module="__main__")
+    for category in (DeprecationWarning, PendingDeprecationWarning, ImportWarning, ResourceWarning):
+        warnings.filterwarnings("ignore", category=category, append=True)

@@ -19,3 +19,11 @@ def _shutdown_distributed_workers():
     from tests.distributed import shutdown_pools
 
     shutdown_pools()
+
+
+@pytest.fixture(scope="session")
+def cache_dir(tmp_path_factory) -> str:
+    """``--data-cache-path`` of the session's training runs. A cached dataset index is keyed by the data's content
+    and the dataset's configuration (tests/test_reliability.py checks it), so the runs of one configuration (the
+    tiny GPT of tests/test_fault_tolerance.py, in several modules) build it once, not once per module."""
+    return str(tmp_path_factory.mktemp("hsap_cache"))

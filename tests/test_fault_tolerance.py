@@ -36,11 +36,6 @@ GRACE_SECONDS = 3.0
 BOUND_SECONDS = GRACE_SECONDS + 2.0
 
 
-@pytest.fixture(scope="module")
-def cache_dir(tmp_path_factory) -> str:
-    return str(tmp_path_factory.mktemp("hsap_cache"))
-
-
 def _records(path) -> List[Dict]:
     return [json.loads(line) for line in open(path)] if os.path.exists(path) else []
 

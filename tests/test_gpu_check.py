@@ -1,5 +1,5 @@
 """``tools/gpu_check.py --dry-run``: every stage of the GPU validation on CPU (gloo, the reference kernel, tiny
-shapes), each in its own subprocess, one line per stage, JSON results after each stage."""
+shapes), each in its own process (forked from the orchestrator), one line per stage, JSON results after each stage."""
 
 from __future__ import annotations
 

@@ -260,7 +260,7 @@ def test_every_rank_and_both_paths_make_the_same_plans(tmp_path):
 
 # ---------------------------------------------------------------- the training loop
 
-def test_training_with_and_without_workers_is_identical(tmp_path):
+def test_training_with_and_without_workers_is_identical(tmp_path, cache_dir):
     """Same losses, grad norms and evaluation losses bit for bit, ``--num-workers 0`` (thread) and 2."""
     from tests.test_fault_tolerance import TINY
     from tests.test_training_pretrain import _run
@@ -269,7 +269,7 @@ def test_training_with_and_without_workers_is_identical(tmp_path):
     for workers in ("0", "2"):
         log = tmp_path / f"w{workers}.jsonl"
         result = _run(TINY + ["--context-parallel-size", "2", "--train-iters", "3", "--eval-iters", "1",
-                              "--eval-interval", "2", "--data-cache-path", str(tmp_path), "--log-json", str(log),
+                              "--eval-interval", "2", "--data-cache-path", cache_dir, "--log-json", str(log),
                               "--num-workers", workers], 2, timeout=300)
         assert result.returncode == 0, result.stderr[-3000:]
         keys = ("iteration", "loss", "grad_norm", "lr", "evaluation", "lm_loss")

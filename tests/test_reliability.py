@@ -7,6 +7,7 @@ and the test-only ``HSAP_TEST_FAULT`` hook; several checks share one run where t
 
 from __future__ import annotations
 
+import concurrent.futures
 import os
 import re
 import shutil
@@ -15,6 +16,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from typing import Dict, Iterator, Tuple
 
 import pytest
 
@@ -28,42 +30,53 @@ from tests.test_training_pretrain import ROOT, _run
 HANG_SECONDS = 90
 
 
-def _stopped_rank_run(cache_dir: str, *flags: str) -> subprocess.CompletedProcess:
-    """Rank 1 of CP 2 SIGSTOPs itself in iteration 2's forward; returns the finished run (fails on a hang)."""
+#: The stopped-rank runs (rank 1 of CP 2 stops in iteration 2): their flags besides the ones each test varies.
+STOPPED_RANK = TINY + ["--context-parallel-size", "2", "--train-iters", "4", "--rank-failure-grace-seconds", "2"]
+
+
+def _stopped_rank_run(cache_dir: str, *flags: str) -> Tuple[subprocess.CompletedProcess, float]:
+    """Rank 1 of CP 2 SIGSTOPs itself in iteration 2's forward; returns the finished run and its wall seconds
+    (fails on a hang)."""
+    t0 = time.monotonic()
     try:
-        return _run(TINY + ["--context-parallel-size", "2", "--train-iters", "4", "--data-cache-path", cache_dir,
-                            "--rank-failure-grace-seconds", "2"] + list(flags), 2, timeout=HANG_SECONDS,
-                    env={"HSAP_TEST_FAULT": "stop@1:2"})
+        result = _run(STOPPED_RANK + ["--data-cache-path", cache_dir] + list(flags), 2, timeout=HANG_SECONDS,
+                      env={"HSAP_TEST_FAULT": "stop@1:2"})
     except subprocess.TimeoutExpired as err:
         pytest.fail(f"the run with a stopped rank hung for {HANG_SECONDS} s: {str(err.stderr)[-2000:]}")
+    return result, time.monotonic() - t0
+
+
+@pytest.fixture(scope="module")
+def stopped_rank_runs(cache_dir) -> Iterator[Dict[str, concurrent.futures.Future]]:
+    """The two stopped-rank runs at the same time: each spends most of its wall time waiting on the stopped rank
+    (a collective's timeout, the stall watchdog), so together they take about as long as the longer one. A run of
+    the same flags without the fault comes first, so the two only read the cached dataset indices."""
+    warm = _run(STOPPED_RANK + ["--data-cache-path", cache_dir], 2, timeout=HANG_SECONDS)
+    assert warm.returncode == 0, warm.stderr[-3000:]
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        # 15 s: short against the 10-minute default, long enough for start-up's collectives on a slow stack
+        yield {"collective timeout": pool.submit(_stopped_rank_run, cache_dir, "--distributed-timeout-minutes",
+                                                 "0.25", "--stall-timeout-minutes", "0"),
+               "stall watchdog": pool.submit(_stopped_rank_run, cache_dir, "--distributed-timeout-minutes", "10",
+                                             "--stall-timeout-minutes", "0.2")}
 
 
 def _launcher_lines(stderr: str) -> str:
     return "\n".join(line for line in stderr.splitlines() if line.startswith("pretrain_gpt_hsap.py:"))
 
 
-@pytest.fixture(scope="module")
-def cache_dir(tmp_path_factory) -> str:
-    return str(tmp_path_factory.mktemp("hsap_cache"))
-
-
-def test_distributed_timeout_bounds_every_group(cache_dir):
+def test_distributed_timeout_bounds_every_group(stopped_rank_runs):
     """With the watchdog off, the CP group's collective must time out after --distributed-timeout-minutes
     (Megatron-Core's groups default to 30 minutes unless given the timeout)."""
-    t0 = time.monotonic()
-    # 15 s: short against the 10-minute default, long enough for start-up's collectives on a slow stack
-    result = _stopped_rank_run(cache_dir, "--distributed-timeout-minutes", "0.25", "--stall-timeout-minutes", "0")
-    wall = time.monotonic() - t0
+    result, wall = stopped_rank_runs["collective timeout"].result()
     assert result.returncode != 0, result.stderr[-3000:]
     assert re.search(r"rank 0 \(pid \d+\) exited with status 1 during iteration 2", result.stderr), \
         result.stderr[-3000:]
     print(f"stopped rank, 15 s collective timeout: run ended after {wall:.1f} s")
 
 
-def test_stall_watchdog_names_the_stopped_rank_and_prints_every_stack(cache_dir):
-    t0 = time.monotonic()
-    result = _stopped_rank_run(cache_dir, "--distributed-timeout-minutes", "10", "--stall-timeout-minutes", "0.2")
-    wall = time.monotonic() - t0
+def test_stall_watchdog_names_the_stopped_rank_and_prints_every_stack(stopped_rank_runs):
+    result, wall = stopped_rank_runs["stall watchdog"].result()
     assert result.returncode == 124, result.stderr[-3000:]
     assert re.search(r"no rank advanced for 12 s \(--stall-timeout-minutes\): rank 1 \(pid \d+\) stopped advancing "
                      r"first, during iteration 2 \(forward-backward\); stopped \(SIGSTOP or a debugger\): rank\(s\) 1",
@@ -432,11 +445,13 @@ def test_megatron_core_load_itself_reads_through_the_allow_list(small_checkpoint
 def test_disk_full_during_a_save_names_the_cause_and_the_file(tmp_path, cache_dir):
     """Before: ``error: rank 0, saving checkpoint: CheckpointException ranks:dict_keys([0])`` (torch's
     ``CheckpointException`` is a BaseException whose message lists the ranks, not the cause). Rank 0 writes
-    every shard here (the CP ranks hold replicas), so its writer gets the full disk."""
+    every shard here (the CP ranks hold replicas), so its writer gets the full disk. Both ranks learn of the
+    failure in the same collective and report it; rank 0 does not exit by itself afterwards (it is killed when
+    the launcher's grace ends), so the run gets 3 s of grace instead of the default 10."""
     ckpt = tmp_path / "ckpt"
     result = _run(TINY + ["--context-parallel-size", "2", "--train-iters", "2", "--data-cache-path", cache_dir,
-                          "--save", str(ckpt), "--save-interval", "1"], 2, timeout=HANG_SECONDS,
-                  env={"HSAP_TEST_FAULT": "disk-full-in-save@0:1"})
+                          "--save", str(ckpt), "--save-interval", "1", "--rank-failure-grace-seconds", "3"], 2,
+                  timeout=HANG_SECONDS, env={"HSAP_TEST_FAULT": "disk-full-in-save@0:1"})
     assert result.returncode == 1, result.stderr[-3000:]
     staging = ckpt / "iter_0000001.partial"
     line = re.compile(rf"error: rank \d, iteration 1 \(saving checkpoint\): --save '{re.escape(str(ckpt))}': saving "

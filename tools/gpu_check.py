@@ -1,6 +1,7 @@
 #!/usr/bin/env python
 """Staged GPU validation: S0 environment, S1 kernels vs fp64, S2 one rank, S3 several ranks on one GPU,
-S4 training runs, S5 speed; each stage in its own subprocess with its own time cap.
+S4 training runs, S5 speed; each stage in its own subprocess (the dry run: a forked process) with its own
+time cap.
 
     python tools/gpu_check.py [OUT_DIR]              # one GPU, at most 9 minutes; OUT_DIR defaults to $OUT
     python tools/gpu_check.py OUT_DIR --dry-run      # every stage on CPU (gloo, reference kernel, tiny shapes)
@@ -24,12 +25,16 @@ import importlib
 import json
 import math
 import os
+import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import traceback
+import warnings
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from typing import Callable, Dict, Iterator, List, Optional, Tuple
@@ -792,8 +797,14 @@ def stage_s3(sizes: Sizes, device: torch.device, out_dir: str) -> dict:
 
 
 def stage_s4(sizes: Sizes, device: torch.device, out_dir: str) -> dict:
-    runs = [section_training(sizes, device, out_dir, timeout_s=stage_cap_s("S4", device) / 2 - 5, cp=cp)
-            for cp in (1, 2)]
+    def train(cp: int) -> dict:
+        return section_training(sizes, device, out_dir, timeout_s=stage_cap_s("S4", device) / 2 - 5, cp=cp)
+
+    if device.type == "cuda":  # one after the other on the one GPU
+        runs = [train(cp) for cp in (1, 2)]
+    else:  # the CPU dry run: both at once (the CP 1 run's one rank leaves the other cores idle)
+        with ThreadPoolExecutor(2) as pool:
+            runs = list(pool.map(train, (1, 2)))
     return {"pass": all(r["trains"] for r in runs), "runs": runs,
             "summary": "; ".join(f"CP {r['cp']}: rc={r['returncode']} loss {r['losses'][:1]} -> {r['losses'][-1:]}"
                                  for r in runs)}
@@ -836,6 +847,39 @@ def run_stage(stage: str, out_dir: str, dry_run: bool) -> int:
     return 0 if result["pass"] else 1
 
 
+#: What the dry run's stage processes would each import afresh (S0's versions, S2/S3's parallel state): imported
+#: once by the orchestrator before it forks them.
+DRY_RUN_PRELOAD = ("megatron.core.parallel_state",)
+
+
+def _forked_stage(argv: List[str], cap: float) -> str:
+    """The dry run's stage process: ``main(argv)`` (``--stage S``) in a child forked from this process, which has
+    torch, Megatron-Core and the package imported, instead of a new interpreter importing them again. Returns the
+    tail of its output; raises ``subprocess.TimeoutExpired`` (the child and its process group killed) after ``cap``
+    seconds."""
+    import multiprocessing
+
+    with tempfile.TemporaryFile("w+") as log:
+        proc = multiprocessing.get_context("fork").Process(target=_stage_child, args=(argv, log.fileno()))
+        proc.start()
+        proc.join(cap)
+        if proc.exitcode is None:  # the stage and every process it started (S3's ranks, S4's torchrun)
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.join()
+            raise subprocess.TimeoutExpired(argv, cap)
+        log.seek(0)
+        return log.read()[-2000:]
+
+
+def _stage_child(argv: List[str], log_fd: int) -> None:
+    """In the forked stage process: its own process group, stdout and stderr to ``log_fd``, then the stage as its
+    subprocess runs it."""
+    os.setpgid(0, 0)
+    os.dup2(log_fd, 1)
+    os.dup2(log_fd, 2)
+    sys.exit(main(argv))
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("out_dir", nargs="?", default=os.environ.get("OUT", "gpu_check_out"),
@@ -860,6 +904,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     total_s = args.total_s or (DRY_RUN_CAP_S * len(stages) if args.dry_run else sum(STAGE_CAPS_S.values()))
     deadline = time.perf_counter() + total_s
     env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    if args.dry_run:  # CPU only: the stages are forked from here (CUDA needs each stage in a new interpreter)
+        with warnings.catch_warnings():  # a stage subprocess's import notices went to its captured output
+            warnings.simplefilter("ignore")
+            for module in DRY_RUN_PRELOAD:
+                importlib.import_module(module)
     for stage in stages:
         cap = min(DRY_RUN_CAP_S if args.dry_run else STAGE_CAPS_S[stage], deadline - time.perf_counter())
         path = os.path.join(args.out_dir, f"{stage}.json")
@@ -869,8 +918,11 @@ def main(argv: Optional[List[str]] = None) -> int:
         cmd = [sys.executable, os.path.abspath(__file__), args.out_dir, "--stage", stage] + \
             (["--dry-run"] if args.dry_run else [])
         try:
-            proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=max(cap, 1))
-            tail = (proc.stdout + proc.stderr)[-2000:]
+            if args.dry_run:
+                tail = _forked_stage(cmd[2:], max(cap, 1))
+            else:
+                proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=max(cap, 1))
+                tail = (proc.stdout + proc.stderr)[-2000:]
         except subprocess.TimeoutExpired:
             tail = f"killed after its {cap:.0f} s cap"
         if os.path.exists(path):
