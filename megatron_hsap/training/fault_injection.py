@@ -6,7 +6,7 @@ at iteration ``<iteration>``:
 | kind | where | what |
 |---|---|---|
 | ``kill`` | forward | SIGKILL itself (a crash that leaves no message) |
-| ``stop`` | forward | SIGSTOP itself (a rank that stops advancing without dying) |
+| ``stop`` | forward | SIGSTOP itself, and stay there once continued (a rank that stops advancing without dying) |
 | ``raise`` | forward | raise RuntimeError (an exception in one rank's forward) |
 | ``SIGTERM``, ``SIGUSR1``, ``SIGINT`` | forward | send itself the signal (preemption; SIGINT: Ctrl-C) |
 | ``parent-SIGTERM``, ``parent-SIGUSR1`` | forward | send the signal to its parent, the ``--nproc`` launcher |
@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 from typing import Any, List, Optional, Tuple
 
 __all__ = ["ENV", "inject", "planned"]
@@ -67,6 +68,10 @@ def inject(point: str, iteration: int, model: Optional[List[Any]] = None, loss_m
             os.kill(os.getpid(), signal.SIGKILL)
         elif kind == "stop":
             os.kill(os.getpid(), signal.SIGSTOP)
+            # Continued (the stall watchdog continues a stopped rank so that it prints its stack): still stuck
+            # here, so the stack names this point whichever thread prints it and however late.
+            while True:
+                time.sleep(3600)
         elif kind == "raise":
             raise RuntimeError(f"{ENV}: injected exception in the forward step of iteration {iteration}")
         elif kind in ("SIGTERM", "SIGUSR1", "SIGINT"):
