@@ -42,7 +42,7 @@ import math
 from collections import Counter
 from itertools import accumulate, chain, zip_longest
 from operator import attrgetter
-from typing import Dict, List, Optional, Sequence, Tuple, Union
+from typing import Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
@@ -166,6 +166,9 @@ class _Items:
     def __len__(self) -> int:
         return len(self.doc)
 
+    def __iter__(self) -> Iterator[_Item]:
+        return iter(self.items())
+
     def total_area(self) -> int:
         return int(self.area.sum())
 
@@ -197,6 +200,10 @@ class _Items:
         return self.take(np.lexsort((self.doc, key)))
 
 
+def _as_items(items: Union[_Items, Sequence[_Item]]) -> _Items:
+    return items if isinstance(items, _Items) else _Items.of(items)
+
+
 def _concat(parts: Sequence[_Items], pieces: Dict[int, Ranges]) -> _Items:
     return _Items(*(np.concatenate([getattr(p, f) for p in parts]) if parts else np.zeros(0, dtype=np.int64)
                     for f in ("doc", "length", "area")), pieces)
@@ -219,10 +226,12 @@ class _Pool:
         self.areas = np.concatenate([np.zeros(1, dtype=np.int64), np.cumsum(self.item_areas)])
         # Kept as numpy for the bulk steps.
         self.length_array, self.item_area_array, self.token_array = self.lengths, self.item_areas, self.tokens
+        self.listed = False
 
     def as_lists(self) -> None:
         self.tokens, self.areas = self.tokens.tolist(), self.areas.tolist()
         self.lengths, self.item_areas = self.lengths.tolist(), self.item_areas.tolist()
+        self.listed = True
 
     def __len__(self) -> int:
         return len(self.sel)
@@ -231,7 +240,7 @@ class _Pool:
         return self.items.item(int(self.sel[i]))
 
     def size(self, i: int) -> int:
-        return int(self.tokens[-1]) - int(self.tokens[i])
+        return self.tokens[-1] - self.tokens[i]
 
     def _area_upto(self, position: int) -> float:
         """Area of the first ``position`` tokens of the whole density order."""
@@ -239,13 +248,16 @@ class _Pool:
         j = bisect.bisect_right(tokens, position) - 1
         if j == len(self.sel):
             return float(areas[-1])
-        return int(areas[j]) + (position - int(tokens[j])) * int(self.item_areas[j]) / int(self.lengths[j])
+        if self.listed:
+            return areas[j] + (position - tokens[j]) * self.item_areas[j] / self.lengths[j]
+        # numpy scalars: as Python ints, whose products do not overflow.
+        return int(areas[j]) + (int(position) - int(tokens[j])) * int(self.item_areas[j]) / int(self.lengths[j])
 
     def most(self, i: int, r: int) -> float:
-        return self._area_upto(int(self.tokens[i]) + r) - int(self.areas[i])
+        return self._area_upto(self.tokens[i] + r) - self.areas[i]
 
     def least(self, i: int, r: int) -> float:
-        return int(self.areas[-1]) - self._area_upto(int(self.tokens[-1]) - r)
+        return self.areas[-1] - self._area_upto(self.tokens[-1] - r)
 
 
 def _attention_targets(caps: Sequence[int], total_area: int, weight: float, max_density: int) -> List[float]:
@@ -328,11 +340,11 @@ def _subtract_all(value: float, areas: np.ndarray) -> float:
 class _Bisection:
     """Two sides (0 = left, 1 = right) filled from one pool; see the module docstring."""
 
-    def __init__(self, items: _Items, rooms: Tuple[int, int], targets: Tuple[float, float],
+    def __init__(self, items: Union[_Items, Sequence[_Item]], rooms: Tuple[int, int], targets: Tuple[float, float],
                  config: PlacementConfig, between_nodes: bool, slack: Optional[float] = None) -> None:
         self.config = config
         self.rounds = config.rounds_between_nodes if between_nodes else config.rounds_inside_node
-        self.items = items.by_density()
+        self.items = _as_items(items).by_density()
         self.pool = _Pool(self.items, np.arange(len(self.items)))
         self.room = list(rooms)
         self.missing = [float(t) for t in targets]
@@ -375,12 +387,14 @@ class _Bisection:
         """Place heavy item ``i`` whole or cut; False (nothing placed) when it would be cut but has at most
         ``short`` tokens: such items are left to the light phase, which fills rooms without cutting."""
         pool = self.pool
-        length, area = int(pool.lengths[i]), int(pool.item_areas[i])
+        length, area = pool.lengths[i], pool.item_areas[i]
+        if not pool.listed:
+            length, area = int(length), int(area)
         # The densest item left goes to the side whose remaining room needs the denser filling, if it can.
         (m0, m1), (r0, r1) = self.missing, self.room
         for side in ((0, 1) if (m0 / r0 if r0 else 0.0) >= (m1 / r1 if r1 else 0.0) else (1, 0)):
             if self.feasible(side, i + 1, length, area):
-                self.out[side].append(int(pool.sel[i]))
+                self.out[side].append(i)  # the first pool's positions are the sorted items' indices
                 self.room[side] -= length
                 self.missing[side] -= area
                 return True
@@ -763,12 +777,13 @@ def _exhaustive_bisection(items: List[_Item], rooms: Tuple[int, int], targets: T
     return sides
 
 
-def _bisect_items(items: _Items, rooms: Tuple[int, int], targets: Tuple[float, float],
+def _bisect_items(items: Union[_Items, Sequence[_Item]], rooms: Tuple[int, int], targets: Tuple[float, float],
                   between_nodes: bool, config: PlacementConfig = PlacementConfig(),
                   slack: Optional[float] = None) -> List[_Items]:
     """Split ``items`` into two sides of exactly ``rooms`` tokens whose areas approach ``targets``.
     ``between_nodes``: the sides are groups of nodes, so short documents are not cut (inter-node traffic).
     ``slack``: how far (a fraction of the smaller target) a side may miss its target; default ``config.slack``."""
+    items = _as_items(items)
     empty = _Items(*(np.zeros(0, dtype=np.int64) for _ in range(3)), {})
     if rooms[1] == 0:
         return [items, empty]
@@ -801,9 +816,12 @@ def _bisect_items(items: _Items, rooms: Tuple[int, int], targets: Tuple[float, f
     return _reopened(items, sides, cut, rooms, targets, state.slack, config)
 
 
-def _cut_rows(sides: Sequence[_Items], docs: Sequence[int]) -> int:
-    """Rows a bisection moves: for each document on both sides (all among ``docs``), the end of the piece not
-    holding its last position (the horizon formula, one cut per document)."""
+def _cut_rows(sides: Sequence[Union[_Items, Sequence[_Item]]], docs: Optional[Sequence[int]] = None) -> int:
+    """Rows a bisection moves: for each document on both sides (all among ``docs`` where given), the end of the
+    piece not holding its last position (the horizon formula, one cut per document)."""
+    sides = [_as_items(side) for side in sides]
+    if docs is None:
+        docs = np.intersect1d(sides[0].doc, sides[1].doc)
     ends: List[dict] = []
     for side in sides:
         at = np.flatnonzero(np.isin(side.doc, docs))
@@ -861,7 +879,7 @@ def _shortest(lengths: np.ndarray, count: int) -> np.ndarray:
     return chosen[np.argsort(lengths[chosen], kind="stable")]
 
 
-def _split(items: _Items, groups: list, caps: Sequence[int], targets: Sequence[float], config: PlacementConfig,
+def _split(items: Union[_Items, Sequence[_Item]], groups: list, caps: Sequence[int], targets: Sequence[float], config: PlacementConfig,
            node_slack: float) -> List[_Items]:
     """Recursive bisection over a tree of bins: ``groups`` is a bin index or a list of subtrees; bisections
     between nodes may miss their targets by ``node_slack`` (a fraction), those inside a node by ``config.slack``.
@@ -869,6 +887,7 @@ def _split(items: _Items, groups: list, caps: Sequence[int], targets: Sequence[f
     Each side's bin targets are rescaled to the area the side actually received, so a bisection's error
     is shared by all the bins below it instead of landing on the last bin split (a node slightly over its
     target made one of its members several times as far over)."""
+    items = _as_items(items)
     if isinstance(groups, int):
         return [items]
     if len(groups) == 1:
@@ -982,16 +1001,21 @@ def sequence_aware_table(doc_lengths: Sequence[int], *, ring_size: int, ulysses_
             break
     members = best[1]
     # Each member's stream: its documents in index order (one item each), each item's ranges in order.
-    parts = []
+    streams = []
     for m, items in enumerate(members):
-        simple = ~np.isin(items.doc, list(items.pieces)) if items.pieces else np.ones(len(items), dtype=bool)
-        parts.append(np.stack([np.full(int(simple.sum()), m), items.doc[simple], np.zeros(int(simple.sum()),
-                                                                                          dtype=np.int64),
-                               items.length[simple]], axis=1))
-        parts += [np.array([(m, d, s, e) for s, e in items.pieces[d]], dtype=np.int64).reshape(-1, 4)
-                  for d in items.doc[~simple].tolist()]
-    rows = np.concatenate(parts) if parts else np.zeros((0, 4), dtype=np.int64)
-    member, doc, start, end = rows[np.lexsort((rows[:, 2], rows[:, 1], rows[:, 0]))].T
+        order = np.argsort(items.doc)
+        doc, start, end = items.doc[order], np.zeros(len(items), dtype=np.int64), items.length[order]
+        at = np.flatnonzero(np.isin(doc, list(items.pieces))) if items.pieces else ()
+        if len(at):  # an item cut above: a row per range
+            ranges = [items.pieces[d] for d in doc[at].tolist()]
+            count = np.ones(len(doc), dtype=np.int64)
+            count[at] = [len(r) for r in ranges]
+            first = np.cumsum(count) - count
+            doc, start, end = np.repeat(doc, count), np.repeat(start, count), np.repeat(end, count)
+            rows = np.concatenate([np.arange(f, f + len(r)) for f, r in zip(first[at].tolist(), ranges)])
+            start[rows], end[rows] = np.array([r for rs in ranges for r in rs], dtype=np.int64).T
+        streams.append((np.full(len(doc), m), doc, start, end))
+    member, doc, start, end = (np.concatenate(a) for a in zip(*streams))
     return split_streams(member, doc, start, end, ulysses_size, tokens_per_rank)
 
 
