@@ -42,7 +42,7 @@ import math
 from collections import Counter
 from itertools import accumulate, chain, zip_longest
 from operator import attrgetter
-from typing import Dict, Iterator, List, Optional, Sequence, Tuple, Union
+from typing import Collection, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
@@ -187,17 +187,34 @@ class _Items:
         """In-document position after each item's last token."""
         ends = self.length.copy()
         if self.pieces:
-            for k in np.flatnonzero(np.isin(self.doc, list(self.pieces))).tolist():
+            for k in np.flatnonzero(_among(self.doc, self.pieces)).tolist():
                 ends[k] = self.pieces[int(self.doc[k])][-1][1]
         return ends
 
     def by_density(self) -> "_Items":
         """Sorted by decreasing density (area per token, on an integer scale: deterministic), then document."""
         key = -((self.length + 1) << 19)  # -area * 2**20 // length, exactly, for a document's first tokens
-        if self.pieces:
-            for k in np.flatnonzero(np.isin(self.doc, list(self.pieces))).tolist():
+        pieces = {}
+        if self.pieces:  # (only the pieces present are kept)
+            for k in np.flatnonzero(_among(self.doc, self.pieces)).tolist():
                 key[k] = -int(self.area[k]) * (1 << 20) // int(self.length[k])
-        return self.take(np.lexsort((self.doc, key)))
+                pieces[int(self.doc[k])] = self.pieces[int(self.doc[k])]
+        order = np.lexsort((self.doc, key))
+        return _Items(self.doc[order], self.length[order], self.area[order], pieces)
+
+
+def _among(values: np.ndarray, keys: Collection[int]) -> np.ndarray:
+    """``np.isin(values, keys)`` (bool, like ``values``), cheaply for few keys or values: a short batch's
+    bisections are many and small, where np.isin's setup would cost more than the rest of the bisection."""
+    if len(keys) <= 4:
+        mask = np.zeros(len(values), dtype=bool)
+        for key in keys:
+            mask |= values == key
+        return mask
+    if len(values) <= 256:
+        keys = set(keys)
+        return np.fromiter((v in keys for v in values.tolist()), bool, len(values))
+    return np.isin(values, list(keys))
 
 
 def _as_items(items: Union[_Items, Sequence[_Item]]) -> _Items:
@@ -239,13 +256,19 @@ class _Pool:
     def item(self, i: int) -> _Item:
         return self.items.item(int(self.sel[i]))
 
+    def search(self, tokens: int, side: str) -> int:
+        """Where ``tokens`` goes in the prefix token counts (``np.searchsorted``'s ``side``)."""
+        if self.listed:
+            return (bisect.bisect_left if side == "left" else bisect.bisect_right)(self.tokens, tokens)
+        return int(np.searchsorted(self.token_array, tokens, side))
+
     def size(self, i: int) -> int:
         return self.tokens[-1] - self.tokens[i]
 
     def _area_upto(self, position: int) -> float:
         """Area of the first ``position`` tokens of the whole density order."""
         tokens, areas = self.tokens, self.areas
-        j = bisect.bisect_right(tokens, position) - 1
+        j = (bisect.bisect_right(tokens, position) if self.listed else int(np.searchsorted(tokens, position, "right"))) - 1
         if j == len(self.sel):
             return float(areas[-1])
         if self.listed:
@@ -330,7 +353,9 @@ _Entry = Union[int, np.ndarray, _Item]
 def _subtract_all(value: float, areas: np.ndarray) -> float:
     """``value`` minus each of ``areas`` in turn, rounded after every step as ``value -= area`` would be (a
     ufunc's accumulate is sequential: the same float bookkeeping as one subtraction per item)."""
-    if not len(areas):
+    if len(areas) <= 32:
+        for area in areas.tolist():
+            value -= area
         return value
     steps = np.empty(len(areas) + 1, dtype=np.float64)
     steps[0], steps[1:] = value, areas
@@ -471,13 +496,14 @@ class _Bisection:
         if room >= pool.size(i):
             self.put(0, (sel[i:],))
             return
-        lengths, tokens = pool.length_array, pool.token_array
+        lengths, tokens = pool.length_array, pool.tokens
         taken = np.zeros(n, dtype=bool)
         # The shortest items (2 % of the tokens) are shared in proportion to the rooms: both sides keep short
         # documents for filling their bins exactly at the next level. They are the longest suffix within the
-        # share (suffix token counts fall with the start), leaving at least item i.
+        # share (suffix token counts fall with the start; an int is within a float iff within its floor),
+        # leaving at least item i.
         total = pool.size(i)
-        t = i + 1 + int(np.argmax(tokens[-1] - tokens[i + 1:] <= self.config.tiny * total))
+        t = max(i + 1, pool.search(int(tokens[-1]) - math.floor(self.config.tiny * total), "left"))
         shares0 = shares1 = 0
         room1 = self.room[1]
         tiny_taken = []
@@ -492,7 +518,7 @@ class _Bisection:
         gap = room - shares0
         target = self.missing[0] - int(pool.item_area_array[t:][taken[t:]].sum())
         # Start of the run over items[i:t]: the window of `gap` tokens starting at item j has an area decreasing in j.
-        last = int(np.searchsorted(tokens, tokens[t] - gap, side="right")) - 1  # latest start with `gap` tokens before t
+        last = pool.search(int(tokens[t]) - gap, "right") - 1  # latest start with `gap` tokens before t
         last = max(i, min(last, t - 1))
         end_t = int(tokens[t])
 
@@ -505,7 +531,7 @@ class _Bisection:
             lo, hi = (mid, hi) if window(mid) >= target else (lo, mid)
         j = lo if abs(window(lo) - target) <= abs(window(hi) - target) else hi
         # The run: items j, j + 1, ... while each fits the gap left, i.e. while the run's tokens stay within it.
-        k = min(t, int(np.searchsorted(tokens, int(tokens[j]) + gap, side="right")) - 1)
+        k = min(t, pool.search(int(tokens[j]) + gap, "right") - 1)
         taken[j:k] = True
         gap -= int(tokens[k]) - int(tokens[j])
         if gap:  # close the gap with the longest items left that fit (the run may have used the shortest):
@@ -547,26 +573,29 @@ class _Bisection:
         position."""
         items, out = self.items, []
         for entries in self.out:
-            parts, pieces, run, size = [], {}, [], 0
-            for e in entries + [None]:
-                if isinstance(e, int):
-                    run.append(e)
-                    continue
-                if run:
-                    parts.append(np.array(run, dtype=np.int64))
-                    size += len(run)
-                    run = []
+            chunks, run, pieces = [], [], {}
+            size = 0
+            for e in entries:
                 if isinstance(e, np.ndarray):
-                    parts.append(e)
+                    if run:
+                        chunks.append(run)
+                        run = []
+                    chunks.append(e)
                     size += len(e)
-                elif isinstance(e, _Item):
-                    pieces[size] = e
-                    parts.append(e)
+                else:
+                    if isinstance(e, _Item):
+                        pieces[size] = e
+                        e = -1  # filled in below
+                    run.append(e)
                     size += 1
-            doc, length, area = ([np.array([getattr(p, f)]) if isinstance(p, _Item) else getattr(items, f)[p]
-                                  for p in parts] for f in ("doc", "length", "area"))
-            out.append(tuple(np.concatenate(a) if a else np.zeros(0, dtype=np.int64) for a in (doc, length, area))
-                       + (pieces,))
+            if run:
+                chunks.append(run)
+            index = np.concatenate(chunks) if len(chunks) > 1 else np.asarray(chunks[0] if chunks else [], np.int64)
+            doc, length, area = items.doc[index], items.length[index], items.area[index]
+            if pieces:
+                at = list(pieces)
+                doc[at], length[at], area[at] = zip(*((it.doc, it.length, it.area) for it in pieces.values()))
+            out.append((doc, length, area, pieces))
         return out
 
     def mend_cuts(self, sides: List[Tuple[np.ndarray, np.ndarray, np.ndarray, Dict[int, _Item]]]) -> None:
@@ -591,7 +620,7 @@ class _Bisection:
         for side, places, lists in zip(sides, where, by_length):
             in_split = np.zeros(len(side[0]), dtype=bool)
             in_split[[k for ks in places.values() for k in ks]] = True
-            for k in np.flatnonzero(~in_split & np.isin(side[1], lengths)).tolist():
+            for k in np.flatnonzero(~in_split & _among(side[1], lengths)).tolist():
                 lists.setdefault(int(side[1][k]), []).append(k)
 
         def entry(side: int, k: int) -> Tuple[int, int, int, Optional[_Item]]:
@@ -651,8 +680,9 @@ class _Bisection:
                 else:
                     ranges.append([s, e])
             merged.append(_Item(d, tuple((s, e) for s, e in ranges)))
-        tail = _Items.of(merged)
-        return _concat([_Items(doc[uncut], length[uncut], area[uncut], kept), tail], {**kept, **tail.pieces})
+        return _Items(*(np.concatenate([values[uncut], [getattr(it, f) for it in merged]])
+                        for values, f in ((doc, "doc"), (length, "length"), (area, "area"))),
+                      {**kept, **{it.doc: it.ranges for it in merged if not it.simple}})
 
 
 def _exchange(inside: List[int], outside: List[int], lengths: Dict[int, int], taken: np.ndarray, gap: int) -> int:
@@ -798,7 +828,7 @@ def _bisect_items(items: Union[_Items, Sequence[_Item]], rooms: Tuple[int, int],
     heavy = config.heavy * max(1.0, min(targets))
     # Items are placed one by one up to the last heavy one; the rest are dealt as a window.
     end = int(np.flatnonzero(pool.item_area_array > heavy)[-1]) + 1 if np.any(pool.item_area_array > heavy) else 0
-    if end > 64:
+    if end > 64 or len(pool) <= 4096:  # many scalar reads, or few items: Python lists are faster
         pool.as_lists()
     short = max(int(config.short * min(rooms)), config.short_tokens) if between_nodes else 0
     deferred = [k for k in range(end) if not state.place_heavy(k, short)]
@@ -824,7 +854,7 @@ def _cut_rows(sides: Sequence[Union[_Items, Sequence[_Item]]], docs: Optional[Se
         docs = np.intersect1d(sides[0].doc, sides[1].doc)
     ends: List[dict] = []
     for side in sides:
-        at = np.flatnonzero(np.isin(side.doc, docs))
+        at = np.flatnonzero(_among(side.doc, docs))
         ends.append(dict(zip(side.doc[at].tolist(), side.ends()[at].tolist())))
     return sum(min(end, ends[1][doc]) for doc, end in ends[0].items() if doc in ends[1])
 
@@ -846,13 +876,13 @@ def _reopened(items: _Items, sides: List[_Items], cut: List[int], rooms: Tuple[i
     # Per side, its uncut items by increasing length (ties in the side's order): the first `wanted` can be moved.
     shortest = []
     for side in sides:
-        uncut = np.flatnonzero(~np.isin(side.doc, cut))
+        uncut = np.flatnonzero(~_among(side.doc, cut))
         shortest.append(uncut[_shortest(side.length[uncut], wanted)].tolist())
     alternate = [(s, k) for pair in zip_longest(*shortest) for s, k in zip((0, 1), pair) if k is not None][:wanted]
-    free = [items.item(k) for k in np.flatnonzero(np.isin(items.doc, cut)).tolist()]
+    free = [items.item(k) for k in np.flatnonzero(_among(items.doc, cut)).tolist()]
     free += [sides[s].item(k) for s, k in alternate]
     moved = np.array(sorted(it.doc for it in free), dtype=np.int64)
-    fixed = [side.take(np.flatnonzero(~np.isin(side.doc, moved))) for side in sides]
+    fixed = [side.take(np.flatnonzero(~_among(side.doc, moved))) for side in sides]
     found = _exhaustive_bisection(free, tuple(r - int(f.length.sum()) for r, f in zip(rooms, fixed)),
                                   tuple(t - f.total_area() for t, f in zip(targets, fixed)), slack, config.visits)
     if found is None:
@@ -1005,7 +1035,7 @@ def sequence_aware_table(doc_lengths: Sequence[int], *, ring_size: int, ulysses_
     for m, items in enumerate(members):
         order = np.argsort(items.doc)
         doc, start, end = items.doc[order], np.zeros(len(items), dtype=np.int64), items.length[order]
-        at = np.flatnonzero(np.isin(doc, list(items.pieces))) if items.pieces else ()
+        at = np.flatnonzero(_among(doc, items.pieces)) if items.pieces else ()
         if len(at):  # an item cut above: a row per range
             ranges = [items.pieces[d] for d in doc[at].tolist()]
             count = np.ones(len(doc), dtype=np.int64)
