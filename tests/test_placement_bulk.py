@@ -203,6 +203,7 @@ PER_ITEM_PLANS = {
     "random-9": "4a3729f5b6042da9",
     "random-10": "e5a682c0083718b9",
     "random-11": "67691341b3ef24e0",
+    "knobs": "4626deb2a27d5239",  # the 400 batches of _knob_cases, one digest
 }
 
 
@@ -222,11 +223,31 @@ def _cases():
         yield f"random-{k}", lengths, (nodes * per, ulysses, per), rng.choice([None, PlacementConfig(exhaustive=0)])
 
 
+def _knob_cases():
+    """Small batches under random knobs: they reach the rarer steps (heavy items too short to cut left to the light
+    phase, cuts mended by a swap) that the batches above do not."""
+    rng = random.Random(1)
+    for _ in range(400):
+        n = rng.choice([5, 20, 60, 200])
+        lengths = [rng.choice([rng.randint(1, 8), rng.randint(1, 100), rng.randint(50, 2000)]) for _ in range(n)]
+        nodes, per = rng.choice([(2, 1), (2, 2), (4, 1), (2, 4), (3, 1)])
+        config = PlacementConfig(heavy=rng.choice([0.001, 0.0001, 0.01]), short=rng.choice([0.02, 0.2]),
+                                 short_tokens=rng.choice([64, 500]), exhaustive=rng.choice([0, 12]))
+        yield lengths, (nodes * per, 1, per), config
+
+
+def _digest(lengths: Sequence[int], topology: Tuple[int, int, int], config, into=None) -> str:
+    PLAN_CACHE.clear()
+    plan = plan_batch(cu_seqlens_from_lengths(lengths), CPTopology.offline(*topology), "sequence-aware",
+                      placement=config)
+    into = into or hashlib.sha256()
+    into.update(plan._data.table.astype("<i8").tobytes())
+    return into.hexdigest()[:16]
+
+
 def test_plans_are_those_of_the_per_item_planner() -> None:
-    digests = {}
-    for name, lengths, (cp, ulysses, per_node), config in _cases():
-        PLAN_CACHE.clear()
-        plan = plan_batch(cu_seqlens_from_lengths(lengths), CPTopology.offline(cp, ulysses, per_node),
-                          "sequence-aware", placement=config)
-        digests[name] = hashlib.sha256(plan._data.table.astype("<i8").tobytes()).hexdigest()[:16]
+    digests = {name: _digest(lengths, topology, config) for name, lengths, topology, config in _cases()}
+    knobs = hashlib.sha256()
+    for lengths, topology, config in _knob_cases():
+        digests["knobs"] = _digest(lengths, topology, config, knobs)
     assert digests == PER_ITEM_PLANS
