@@ -814,11 +814,9 @@ def _bisect_items(items: Union[_Items, Sequence[_Item]], rooms: Tuple[int, int],
     ``between_nodes``: the sides are groups of nodes, so short documents are not cut (inter-node traffic).
     ``slack``: how far (a fraction of the smaller target) a side may miss its target; default ``config.slack``."""
     items = _as_items(items)
-    empty = _Items(*(np.zeros(0, dtype=np.int64) for _ in range(3)), {})
-    if rooms[1] == 0:
-        return [items, empty]
-    if rooms[0] == 0:
-        return [empty, items]
+    if rooms[0] == 0 or rooms[1] == 0:
+        empty = items.take(np.zeros(0, dtype=np.int64))
+        return [items, empty] if rooms[1] == 0 else [empty, items]
     state = _Bisection(items, rooms, targets, config, between_nodes, slack)
     if between_nodes and len(items) <= config.exhaustive:
         found = _exhaustive_bisection(items.items(), rooms, targets, state.slack, config.visits)
@@ -827,7 +825,8 @@ def _bisect_items(items: Union[_Items, Sequence[_Item]], rooms: Tuple[int, int],
     pool = state.pool
     heavy = config.heavy * max(1.0, min(targets))
     # Items are placed one by one up to the last heavy one; the rest are dealt as a window.
-    end = int(np.flatnonzero(pool.item_area_array > heavy)[-1]) + 1 if np.any(pool.item_area_array > heavy) else 0
+    over = np.flatnonzero(pool.item_area_array > heavy)
+    end = int(over[-1]) + 1 if len(over) else 0
     if end > 64 or len(pool) <= 4096:  # many scalar reads, or few items: Python lists are faster
         pool.as_lists()
     short = max(int(config.short * min(rooms)), config.short_tokens) if between_nodes else 0
