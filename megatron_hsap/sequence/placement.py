@@ -199,8 +199,14 @@ class _Items:
             for k in np.flatnonzero(_among(self.doc, self.pieces)).tolist():
                 key[k] = -int(self.area[k]) * (1 << 20) // int(self.length[k])
                 pieces[int(self.doc[k])] = self.pieces[int(self.doc[k])]
-        order = np.lexsort((self.doc, key))
-        return _Items(self.doc[order], self.length[order], self.area[order], pieces)
+        # Groups come mostly sorted already (a side receives its items in its parent's order): a stable sort by
+        # density is the (density, document) order unless it leaves equal densities out of document order.
+        order = np.argsort(key, kind="stable")
+        ordered, doc = key[order], self.doc[order]
+        if np.any((ordered[1:] == ordered[:-1]) & (doc[1:] < doc[:-1])):
+            order = np.lexsort((self.doc, key))
+            doc = self.doc[order]
+        return _Items(doc, self.length[order], self.area[order], pieces)
 
 
 def _among(values: np.ndarray, keys: Collection[int]) -> np.ndarray:
