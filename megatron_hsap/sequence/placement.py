@@ -201,9 +201,9 @@ class _Items:
                 pieces[int(self.doc[k])] = self.pieces[int(self.doc[k])]
         # Groups come mostly sorted already (a side receives its items in its parent's order): a stable sort by
         # density is the (density, document) order unless it leaves equal densities out of document order.
-        order = np.argsort(key, kind="stable")
+        order = key.argsort(kind="stable")
         ordered, doc = key[order], self.doc[order]
-        if np.any((ordered[1:] == ordered[:-1]) & (doc[1:] < doc[:-1])):
+        if ((ordered[1:] == ordered[:-1]) & (doc[1:] < doc[:-1])).any():
             order = np.lexsort((self.doc, key))
             doc = self.doc[order]
         return _Items(doc, self.length[order], self.area[order], pieces)
@@ -245,8 +245,9 @@ class _Pool:
     def __init__(self, items: _Items, sel: np.ndarray) -> None:
         self.items, self.sel = items, sel
         self.lengths, self.item_areas = items.length[sel], items.area[sel]
-        self.tokens = np.concatenate([np.zeros(1, dtype=np.int64), np.cumsum(self.lengths)])
-        self.areas = np.concatenate([np.zeros(1, dtype=np.int64), np.cumsum(self.item_areas)])
+        self.tokens, self.areas = np.zeros(len(sel) + 1, dtype=np.int64), np.zeros(len(sel) + 1, dtype=np.int64)
+        self.lengths.cumsum(out=self.tokens[1:])
+        self.item_areas.cumsum(out=self.areas[1:])
         # Kept as numpy for the bulk steps.
         self.length_array, self.item_area_array, self.token_array = self.lengths, self.item_areas, self.tokens
         self.listed = False
@@ -624,10 +625,11 @@ class _Bisection:
         # Per side, the uncut items by length (positions increasing; the last one is swapped first).
         by_length: List[dict] = [{}, {}]
         for side, places, lists in zip(sides, where, by_length):
-            in_split = np.zeros(len(side[0]), dtype=bool)
-            in_split[[k for ks in places.values() for k in ks]] = True
-            for k in np.flatnonzero(~in_split & _among(side[1], lengths)).tolist():
-                lists.setdefault(int(side[1][k]), []).append(k)
+            pieces = {k for ks in places.values() for k in ks}
+            at = np.flatnonzero(_among(side[1], lengths))
+            for k, length in zip(at.tolist(), side[1][at].tolist()):
+                if k not in pieces:
+                    lists.setdefault(length, []).append(k)
 
         def entry(side: int, k: int) -> Tuple[int, int, int, Optional[_Item]]:
             doc, length, area, pieces = sides[side]
