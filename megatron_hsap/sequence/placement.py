@@ -32,6 +32,10 @@ docs/sequence_aware.md has the full argument; in short, one bisection:
    the edge of feasibility and forces further cuts. A larger bisection between nodes that the greedy
    steps cut several times is searched again the same way over the documents they cut and the
    shortest items (``_reopened``), kept when it moves fewer rows.
+
+A bisection's items are numpy arrays (``_Items``: one row per document; only pieces of cut documents carry ranges)
+and the steps over many items are numpy operations, with the per-item rules' results exactly (docs/sequence_aware.md,
+"Items in bulk"); heavy items and cuts are handled one by one (``_Item``).
 """
 
 from __future__ import annotations
@@ -40,7 +44,7 @@ import bisect
 import functools
 import math
 from collections import Counter
-from itertools import accumulate, chain, zip_longest
+from itertools import chain, zip_longest
 from operator import attrgetter
 from typing import Collection, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
