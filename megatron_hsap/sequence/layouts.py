@@ -40,9 +40,10 @@ class Layout:
     #: Whether ``cost_model`` and ``placement`` change the table (when not, the plan cache key drops them).
     configurable: bool = False
 
-    def table(self, doc_lengths: Tuple[int, ...], topology: "CPTopology", cost_model: Optional["CostModel"],
+    def table(self, doc_lengths: np.ndarray, topology: "CPTopology", cost_model: Optional["CostModel"],
               placement: Optional["PlacementConfig"]) -> Tuple[np.ndarray, int]:
-        """Segment table (int64 ``[n, 4]`` rows ``(cp_rank, doc, doc_start, doc_end)``) and ``tokens_per_rank``."""
+        """Segment table (int64 ``[n, 4]`` rows ``(cp_rank, doc, doc_start, doc_end)``) and ``tokens_per_rank`` of the
+        documents of int64 ``doc_lengths`` ``[num_docs]``."""
         raise NotImplementedError
 
 
@@ -69,7 +70,7 @@ class SequenceAwareLayout(Layout):
 
         nodes = topology.node_of_cp_rank
         members_on_node0 = sum(1 for m in range(topology.ring_size) if nodes[m * topology.ulysses_size] == nodes[0])
-        tokens_per_rank = -(-sum(doc_lengths) // topology.cp_size)
+        tokens_per_rank = -(-int(np.sum(doc_lengths, dtype=np.int64)) // topology.cp_size)
         table = sequence_aware_table(doc_lengths, ring_size=topology.ring_size, ulysses_size=topology.ulysses_size,
                                      ring_members_per_node=members_on_node0, tokens_per_rank=tokens_per_rank,
                                      cost_model=cost_model, placement=placement)

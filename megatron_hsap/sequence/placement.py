@@ -32,6 +32,10 @@ docs/sequence_aware.md has the full argument; in short, one bisection:
    the edge of feasibility and forces further cuts. A larger bisection between nodes that the greedy
    steps cut several times is searched again the same way over the documents they cut and the
    shortest items (``_reopened``), kept when it moves fewer rows.
+
+A bisection's items are numpy arrays (``_Items``: one row per document; only pieces of cut documents carry ranges)
+and the steps over many items are numpy operations, with the per-item rules' results exactly (docs/sequence_aware.md,
+"Items in bulk"); heavy items and cuts are handled one by one (``_Item``).
 """
 
 from __future__ import annotations
@@ -40,9 +44,9 @@ import bisect
 import functools
 import math
 from collections import Counter
-from itertools import accumulate, chain, zip_longest
+from itertools import chain, zip_longest
 from operator import attrgetter
-from typing import List, Optional, Sequence, Tuple
+from typing import Collection, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
@@ -53,8 +57,7 @@ from megatron_hsap.sequence.placement_config import PlacementConfig
 __all__ = ["sequence_aware_placement", "sequence_aware_table"]
 
 Ranges = Tuple[Tuple[int, int], ...]  # disjoint, increasing in-document ranges of one document
-_doc_of, _key_of = attrgetter("doc"), attrgetter("key")
-_length_of, _area_of = attrgetter("length"), attrgetter("area")
+_doc_of = attrgetter("doc")
 
 # The tuning constants and targets are fields of ``PlacementConfig`` (placement_config.py), documented there and in
 # docs/sequence_aware.md.
@@ -63,7 +66,7 @@ _length_of, _area_of = attrgetter("length"), attrgetter("area")
 class _Item:
     """Some tokens of one document (``ranges``, increasing), seen as one stream of ``length`` tokens."""
 
-    __slots__ = ("doc", "ranges", "length", "area", "key", "_offsets", "_areas")
+    __slots__ = ("doc", "ranges", "length", "area", "_offsets", "_areas")
 
     def __init__(self, doc: int, ranges: Ranges) -> None:
         self.doc = doc
@@ -79,19 +82,18 @@ class _Item:
                 areas.append(areas[-1] + causal_area(s, e))
             self.length, self.area = offsets[-1], areas[-1]
             self._offsets, self._areas = offsets, areas
-        # Sort key, computed once (an item is sorted at every level below): decreasing density (area per token,
-        # on an integer scale: deterministic), then document (a pool holds one item per document); one int, as
-        # (density, doc) tuples sort ~2.5x slower.
-        self.key = (-self.area * (1 << 20) // self.length if self.length else 0) * (1 << 32) + doc
 
     @classmethod
     def whole(cls, doc: int, length: int) -> "_Item":
-        """Document ``doc`` whole (``length > 0``), as ``_Item(doc, ((0, length),))``: a batch's hundreds of
-        documents are built before every plan, so without the general path."""
+        """Document ``doc`` whole (``length > 0``), as ``_Item(doc, ((0, length),))``, without the general path."""
         it = cls.__new__(cls)
         it.doc, it.ranges, it.length, it.area, it._offsets = doc, ((0, length),), length, length * (length + 1) // 2, None
-        it.key = (-(length + 1) * (1 << 19)) * (1 << 32) + doc  # -area * 2**20 // length, exactly
         return it
+
+    @property
+    def simple(self) -> bool:
+        """Whether the item is its document's first ``length`` tokens (what ``_Items`` holds without ranges)."""
+        return len(self.ranges) == 1 and self.ranges[0][0] == 0
 
     def area_before(self, offset: int) -> int:
         """Causal area of the first ``offset`` tokens of the stream."""
@@ -146,17 +148,130 @@ def _areas_before(items: Sequence[_Item], which: np.ndarray, taus: np.ndarray) -
     return np.array(prefix, dtype=np.float64)[j] + (b - a) * (a + b + 1) / 2
 
 
+class _Items:
+    """Items (one per document) as arrays: what a bisection takes and returns, so that the many short documents
+    of a batch never become Python objects. ``doc`` / ``length`` / ``area``: int64 ``[n]`` (area: causal pairs);
+    ``pieces``: the ranges of the items that are not their document's first ``length`` tokens (cut above), by
+    document (a superset is fine: only the documents present are read)."""
+
+    __slots__ = ("doc", "length", "area", "pieces")
+
+    def __init__(self, doc: np.ndarray, length: np.ndarray, area: np.ndarray, pieces: Dict[int, Ranges]) -> None:
+        self.doc, self.length, self.area, self.pieces = doc, length, area, pieces
+
+    @classmethod
+    def of(cls, items: Sequence[_Item]) -> "_Items":
+        n = len(items)
+        return cls(np.fromiter((it.doc for it in items), np.int64, n),
+                   np.fromiter((it.length for it in items), np.int64, n),
+                   np.fromiter((it.area for it in items), np.int64, n),
+                   {it.doc: it.ranges for it in items if not it.simple})
+
+    def __len__(self) -> int:
+        return len(self.doc)
+
+    def __iter__(self) -> Iterator[_Item]:
+        return iter(self.items())
+
+    def total_area(self) -> int:
+        return int(self.area.sum())
+
+    def item(self, k: int) -> _Item:
+        doc = int(self.doc[k])
+        ranges = self.pieces.get(doc)
+        return _Item.whole(doc, int(self.length[k])) if ranges is None else _Item(doc, ranges)
+
+    def items(self) -> List[_Item]:
+        return [self.item(k) for k in range(len(self))]
+
+    def take(self, index: np.ndarray) -> "_Items":
+        return _Items(self.doc[index], self.length[index], self.area[index], self.pieces)
+
+    def ends(self) -> np.ndarray:
+        """In-document position after each item's last token."""
+        ends = self.length.copy()
+        if self.pieces:
+            for k in np.flatnonzero(_among(self.doc, self.pieces)).tolist():
+                ends[k] = self.pieces[int(self.doc[k])][-1][1]
+        return ends
+
+    def by_density(self) -> "_Items":
+        """Sorted by decreasing density (area per token, on an integer scale: deterministic), then document."""
+        key = -((self.length + 1) << 19)  # -area * 2**20 // length, exactly, for a document's first tokens
+        pieces = {}
+        if self.pieces:  # (only the pieces present are kept)
+            for k in np.flatnonzero(_among(self.doc, self.pieces)).tolist():
+                key[k] = -int(self.area[k]) * (1 << 20) // int(self.length[k])
+                pieces[int(self.doc[k])] = self.pieces[int(self.doc[k])]
+        # Groups come mostly sorted already (a side receives its items in its parent's order): a stable sort by
+        # density is the (density, document) order unless it leaves equal densities out of document order.
+        order = key.argsort(kind="stable")
+        ordered, doc = key[order], self.doc[order]
+        if ((ordered[1:] == ordered[:-1]) & (doc[1:] < doc[:-1])).any():
+            order = np.lexsort((self.doc, key))
+            doc = self.doc[order]
+        return _Items(doc, self.length[order], self.area[order], pieces)
+
+
+def _among(values: np.ndarray, keys: Collection[int]) -> np.ndarray:
+    """``np.isin(values, keys)`` (bool, like ``values``), cheaply for few keys or values: a short batch's
+    bisections are many and small, where np.isin's setup would cost more than the rest of the bisection."""
+    if len(keys) <= 4:
+        mask = np.zeros(len(values), dtype=bool)
+        for key in keys:
+            mask |= values == key
+        return mask
+    if len(values) <= 256:
+        keys = set(keys)
+        return np.fromiter((v in keys for v in values.tolist()), bool, len(values))
+    return np.isin(values, list(keys))
+
+
+def _as_items(items: Union[_Items, Sequence[_Item]]) -> _Items:
+    return items if isinstance(items, _Items) else _Items.of(items)
+
+
+def _concat(parts: Sequence[_Items], pieces: Dict[int, Ranges]) -> _Items:
+    return _Items(*(np.concatenate([getattr(p, f) for p in parts]) if parts else np.zeros(0, dtype=np.int64)
+                    for f in ("doc", "length", "area")), pieces)
+
+
 class _Pool:
-    """Items sorted by decreasing density; the unplaced ones are always a suffix ``items[i:]``.
+    """Items sorted by decreasing density; the unplaced ones are always a suffix ``items[i:]`` (``items[sel]``
+    of the bisection's sorted items).
 
     ``least(i, r)`` / ``most(i, r)``: the smallest / largest area that ``r`` tokens taken from
     ``items[i:]`` can carry (items cut where needed, at their mean density): prefix sums and a bisection.
+    Prefix sums and the items' figures are numpy arrays, or Python lists (``as_lists``) for the one-by-one
+    placement of many items; the scalar figures are read as Python ints either way (exact products).
     """
 
-    def __init__(self, items: List[_Item]) -> None:
-        self.items = items
-        self.tokens = list(accumulate([it.length for it in items], initial=0))
-        self.areas = list(accumulate([it.area for it in items], initial=0))
+    def __init__(self, items: _Items, sel: np.ndarray) -> None:
+        self.items, self.sel = items, sel
+        self.lengths, self.item_areas = items.length[sel], items.area[sel]
+        self.tokens, self.areas = np.zeros(len(sel) + 1, dtype=np.int64), np.zeros(len(sel) + 1, dtype=np.int64)
+        self.lengths.cumsum(out=self.tokens[1:])
+        self.item_areas.cumsum(out=self.areas[1:])
+        # Kept as numpy for the bulk steps.
+        self.length_array, self.item_area_array, self.token_array = self.lengths, self.item_areas, self.tokens
+        self.listed = False
+
+    def as_lists(self) -> None:
+        self.tokens, self.areas = self.tokens.tolist(), self.areas.tolist()
+        self.lengths, self.item_areas = self.lengths.tolist(), self.item_areas.tolist()
+        self.listed = True
+
+    def __len__(self) -> int:
+        return len(self.sel)
+
+    def item(self, i: int) -> _Item:
+        return self.items.item(int(self.sel[i]))
+
+    def search(self, tokens: int, side: str) -> int:
+        """Where ``tokens`` goes in the prefix token counts (``np.searchsorted``'s ``side``)."""
+        if self.listed:
+            return (bisect.bisect_left if side == "left" else bisect.bisect_right)(self.tokens, tokens)
+        return int(np.searchsorted(self.token_array, tokens, side))
 
     def size(self, i: int) -> int:
         return self.tokens[-1] - self.tokens[i]
@@ -164,11 +279,13 @@ class _Pool:
     def _area_upto(self, position: int) -> float:
         """Area of the first ``position`` tokens of the whole density order."""
         tokens, areas = self.tokens, self.areas
-        j = bisect.bisect_right(tokens, position) - 1
-        if j == len(self.items):
+        j = (bisect.bisect_right(tokens, position) if self.listed else int(np.searchsorted(tokens, position, "right"))) - 1
+        if j == len(self.sel):
             return float(areas[-1])
-        it = self.items[j]
-        return areas[j] + (position - tokens[j]) * it.area / it.length
+        if self.listed:
+            return areas[j] + (position - tokens[j]) * self.item_areas[j] / self.lengths[j]
+        # numpy scalars: as Python ints, whose products do not overflow.
+        return int(areas[j]) + (int(position) - int(tokens[j])) * int(self.item_areas[j]) / int(self.lengths[j])
 
     def most(self, i: int, r: int) -> float:
         return self._area_upto(self.tokens[i] + r) - self.areas[i]
@@ -239,17 +356,35 @@ def _steps(window: float, slope: int, area: float) -> int:
     return step - 1 if step > 1 and window + slope * (step - 1) >= area else step + int(window + slope * step < area)
 
 
+#: What a side receives, in order: an index (into the bisection's sorted items) or an index array of items placed
+#: whole, or a piece cut here.
+_Entry = Union[int, np.ndarray, _Item]
+
+
+def _subtract_all(value: float, areas: np.ndarray) -> float:
+    """``value`` minus each of ``areas`` in turn, rounded after every step as ``value -= area`` would be (a
+    ufunc's accumulate is sequential: the same float bookkeeping as one subtraction per item)."""
+    if len(areas) <= 32:
+        for area in areas.tolist():
+            value -= area
+        return value
+    steps = np.empty(len(areas) + 1, dtype=np.float64)
+    steps[0], steps[1:] = value, areas
+    return float(np.subtract.accumulate(steps)[-1])
+
+
 class _Bisection:
     """Two sides (0 = left, 1 = right) filled from one pool; see the module docstring."""
 
-    def __init__(self, items: List[_Item], rooms: Tuple[int, int], targets: Tuple[float, float],
+    def __init__(self, items: Union[_Items, Sequence[_Item]], rooms: Tuple[int, int], targets: Tuple[float, float],
                  config: PlacementConfig, between_nodes: bool, slack: Optional[float] = None) -> None:
         self.config = config
         self.rounds = config.rounds_between_nodes if between_nodes else config.rounds_inside_node
-        self.pool = _Pool(sorted(items, key=_key_of))
+        self.items = _as_items(items).by_density()
+        self.pool = _Pool(self.items, np.arange(len(self.items)))
         self.room = list(rooms)
         self.missing = [float(t) for t in targets]
-        self.out: List[List[_Item]] = [[], []]
+        self.out: List[List[_Entry]] = [[], []]
         self.cut: set = set()  # documents cut here: the only ones of which a side can hold several pieces
         # A side may end this far from its target (``slack``: a fraction of the smaller side's target, default
         # ``config.slack``): documents are not cut for a smaller gain.
@@ -258,33 +393,50 @@ class _Bisection:
     def feasible(self, side: int, i: int, tokens: int, area: float) -> bool:
         """Whether ``side`` can still meet its target after taking (tokens, area), filled from ``items[i:]``."""
         pool, r = self.pool, self.room[side] - tokens
-        if r < 0 or r > pool.tokens[-1] - pool.tokens[i]:
+        if r < 0 or r > pool.size(i):
             return False
         need = self.missing[side] - area
         return pool.least(i, r) - self.slack <= need <= pool.most(i, r) + self.slack
 
-    def put(self, side: int, items: Sequence[_Item]) -> None:
-        """Give ``items`` (in order: a side's float bookkeeping is the same however its items are batched)."""
+    def put(self, side: int, entries: Sequence[_Entry]) -> None:
+        """Give ``entries`` (in order: a side's float bookkeeping is the same however its items are batched)."""
         out, room, missing = self.out[side], self.room[side], self.missing[side]
-        for it in items:
-            if it.length:
-                out.append(it)
-                room -= it.length
-                missing -= it.area
+        items = self.items
+        for e in entries:
+            if isinstance(e, _Item):
+                if e.length:
+                    out.append(e)
+                    room -= e.length
+                    missing -= e.area
+            elif isinstance(e, np.ndarray):
+                if len(e):
+                    out.append(e)
+                    room -= int(items.length[e].sum())
+                    missing = _subtract_all(missing, items.area[e])
+            else:
+                out.append(e)
+                room -= int(items.length[e])
+                missing -= int(items.area[e])
         self.room[side], self.missing[side] = room, missing
 
     def place_heavy(self, i: int, short: int) -> bool:
         """Place heavy item ``i`` whole or cut; False (nothing placed) when it would be cut but has at most
         ``short`` tokens: such items are left to the light phase, which fills rooms without cutting."""
-        item = self.pool.items[i]
+        pool = self.pool
+        length, area = pool.lengths[i], pool.item_areas[i]
+        if not pool.listed:
+            length, area = int(length), int(area)
         # The densest item left goes to the side whose remaining room needs the denser filling, if it can.
         (m0, m1), (r0, r1) = self.missing, self.room
         for side in ((0, 1) if (m0 / r0 if r0 else 0.0) >= (m1 / r1 if r1 else 0.0) else (1, 0)):
-            if self.feasible(side, i + 1, item.length, item.area):
-                self.put(side, (item,))
+            if self.feasible(side, i + 1, length, area):
+                self.out[side].append(i)  # the first pool's positions are the sorted items' indices
+                self.room[side] -= length
+                self.missing[side] -= area
                 return True
-        if item.length <= short:
+        if length <= short:
             return False
+        item = pool.item(i)
         best = None
         for holder in (0, 1):  # the side that will not hold the item's last token
             cut = self._cheapest_cut(holder, i + 1, item, best[0] if best and self.rounds == 1 else None)
@@ -344,123 +496,211 @@ class _Bisection:
         return best
 
     def place_light(self, i: int) -> None:
-        """Deal ``items[i:]``: the left side takes a run of whole items matching its missing area (step 4)."""
+        """Deal ``items[i:]``: the left side takes a run of whole items matching its missing area (step 4), with
+        numpy ops over the run (a batch's short documents are many)."""
         pool, room = self.pool, self.room[0]
-        items = pool.items
-        n = len(items)
+        n = len(pool)
+        sel = pool.sel
         if room == 0 or i == n:
-            self.put(1, items[i:])
+            self.put(1, (sel[i:],))
             return
         if room >= pool.size(i):
-            self.put(0, items[i:])
+            self.put(0, (sel[i:],))
             return
-        taken, lengths = [False] * n, list(map(_length_of, items))
+        lengths, tokens = pool.length_array, pool.tokens
+        taken = np.zeros(n, dtype=bool)
         # The shortest items (2 % of the tokens) are shared in proportion to the rooms: both sides keep short
-        # documents for filling their bins exactly at the next level.
-        total, tiny, t = pool.size(i), 0, n
-        while t > i + 1 and tiny + lengths[t - 1] <= self.config.tiny * total:
-            t -= 1
-            tiny += lengths[t]
-        shares = [0, 0]
-        for m in range(n - 1, t - 1, -1):
-            side = 0 if shares[0] * self.room[1] <= shares[1] * room and shares[0] + lengths[m] <= room else 1
-            shares[side] += lengths[m]
-            taken[m] = side == 0
-        gap = room - shares[0]
-        target = self.missing[0] - sum(items[m].area for m in range(t, n) if taken[m])
+        # documents for filling their bins exactly at the next level. They are the longest suffix within the
+        # share (suffix token counts fall with the start; an int is within a float iff within its floor),
+        # leaving at least item i.
+        total = pool.size(i)
+        t = max(i + 1, pool.search(int(tokens[-1]) - math.floor(self.config.tiny * total), "left"))
+        shares0 = shares1 = 0
+        room1 = self.room[1]
+        tiny_taken = []
+        for length in reversed(lengths[t:].tolist()):
+            if shares0 * room1 <= shares1 * room and shares0 + length <= room:
+                shares0 += length
+                tiny_taken.append(True)
+            else:
+                shares1 += length
+                tiny_taken.append(False)
+        taken[t:] = tiny_taken[::-1]
+        gap = room - shares0
+        target = self.missing[0] - int(pool.item_area_array[t:][taken[t:]].sum())
         # Start of the run over items[i:t]: the window of `gap` tokens starting at item j has an area decreasing in j.
-        last = bisect.bisect_right(pool.tokens, pool.tokens[t] - gap) - 1  # latest start with `gap` tokens before t
+        last = pool.search(int(tokens[t]) - gap, "right") - 1  # latest start with `gap` tokens before t
         last = max(i, min(last, t - 1))
+        end_t = int(tokens[t])
 
         def window(j: int) -> float:
-            return pool.most(j, min(gap, pool.tokens[t] - pool.tokens[j]))
+            return pool.most(j, min(gap, end_t - int(tokens[j])))
 
         lo, hi = i, last
         while hi - lo > 1:
             mid = (lo + hi) // 2
             lo, hi = (mid, hi) if window(mid) >= target else (lo, mid)
         j = lo if abs(window(lo) - target) <= abs(window(hi) - target) else hi
-        k = j
-        while k < t and lengths[k] <= gap:
-            taken[k] = True
-            gap -= lengths[k]
-            k += 1
-        if gap:  # close the gap with the longest items left that fit (the run may have used the shortest);
-            # a stable sort of increasing indices, reversed: by decreasing length, then increasing index
-            for m in sorted((m for m in range(i, n) if not taken[m] and lengths[m] <= gap),
-                            key=lengths.__getitem__, reverse=True):
-                if lengths[m] <= gap:
-                    taken[m] = True
-                    gap -= lengths[m]
-                    if gap == 0:
-                        break
+        # The run: items j, j + 1, ... while each fits the gap left, i.e. while the run's tokens stay within it.
+        k = min(t, pool.search(int(tokens[j]) + gap, "right") - 1)
+        taken[j:k] = True
+        gap -= int(tokens[k]) - int(tokens[j])
+        if gap:  # close the gap with the longest items left that fit (the run may have used the shortest):
+            # by decreasing length, then increasing index; of equal ones, as many as fit
+            fits = np.flatnonzero(~taken[i:] & (lengths[i:] <= gap)) + i
+            fits = fits[np.argsort(-lengths[fits], kind="stable")]
+            values = lengths[fits]
+            starts = np.flatnonzero(np.diff(values, prepend=-1)).tolist() + [len(fits)]
+            for a, b in zip(starts[:-1], starts[1:]):
+                value = int(values[a])
+                count = min(b - a, gap // value)
+                taken[fits[a:a + count]] = True
+                gap -= count * value
+                if gap == 0:
+                    break
         if gap:  # or exchange items: one or two untaken ones in, one or two taken ones out, `gap` tokens more
-            gap = _exchange([m for m in range(i, n) if taken[m]], [m for m in range(i, n) if not taken[m]],
-                            lengths, taken, gap, self.config.exchange)
-        cut = None
+            limit = self.config.exchange
+            inside, outside = np.flatnonzero(taken[i:]) + i, np.flatnonzero(~taken[i:]) + i
+            # The shortest `limit` of each, in (length, index) order.
+            inside = inside[np.argsort(lengths[inside], kind="stable")[:limit]].tolist()
+            outside = outside[np.argsort(lengths[outside], kind="stable")[:limit]].tolist()
+            gap = _exchange(inside, outside, {m: int(lengths[m]) for m in inside + outside}, taken, gap)
+        entries: List[List[_Entry]] = [[], []]
         if gap:  # no combination fits: cut the shortest item left that is longer than the gap
-            cut = next(m for m in range(n - 1, i - 1, -1) if not taken[m] and lengths[m] > gap)
-        sides: List[List[_Item]] = [[], []]
-        for m in range(i, n):
-            if m == cut:
-                it = items[m]
-                self.cut.add(it.doc)
-                sides[0].append(it.sub(it.length - gap, it.length))
-                sides[1].append(it.sub(0, it.length - gap))
-            else:
-                sides[0 if taken[m] else 1].append(items[m])
-        self.put(0, sides[0])
-        self.put(1, sides[1])
+            cut = int(np.flatnonzero(~taken[i:] & (lengths[i:] > gap))[-1]) + i
+            it = pool.item(cut)
+            self.cut.add(it.doc)
+            for side, piece in ((0, it.sub(it.length - gap, it.length)), (1, it.sub(0, it.length - gap))):
+                before, after = np.arange(i, cut), np.arange(cut + 1, n)
+                keep = taken if side == 0 else ~taken
+                entries[side] = [sel[before[keep[i:cut]]], piece, sel[after[keep[cut + 1:]]]]
+        else:
+            entries = [[sel[i:][taken[i:]]], [sel[i:][~taken[i:]]]]
+        self.put(0, entries[0])
+        self.put(1, entries[1])
 
+    def sides(self) -> List[Tuple[np.ndarray, np.ndarray, np.ndarray, Dict[int, _Item]]]:
+        """Per side, what it received in order: doc / length / area int64 arrays and the pieces cut here by
+        position."""
+        items, out = self.items, []
+        for entries in self.out:
+            chunks, run, pieces = [], [], {}
+            size = 0
+            for e in entries:
+                if isinstance(e, np.ndarray):
+                    if run:
+                        chunks.append(run)
+                        run = []
+                    chunks.append(e)
+                    size += len(e)
+                else:
+                    if isinstance(e, _Item):
+                        pieces[size] = e
+                        e = -1  # filled in below
+                    run.append(e)
+                    size += 1
+            if run:
+                chunks.append(run)
+            index = np.concatenate(chunks) if len(chunks) > 1 else np.asarray(chunks[0] if chunks else [], np.int64)
+            doc, length, area = items.doc[index], items.length[index], items.area[index]
+            if pieces:
+                at = list(pieces)
+                doc[at], length[at], area[at] = zip(*((it.doc, it.length, it.area) for it in pieces.values()))
+            out.append((doc, length, area, pieces))
+        return out
 
-    def mend_cuts(self) -> None:
+    def mend_cuts(self, sides: List[Tuple[np.ndarray, np.ndarray, np.ndarray, Dict[int, _Item]]]) -> None:
         """Undo cuts that only filled rooms: a document on both sides whose piece on one side is as long as a
-        whole, uncut item on the other is reunited by swapping the two, when the areas stay within the slack."""
-        sides = self.out
-        # A document with two items anywhere is on both sides (a cut gives each side a piece).
-        split = {it.doc for it in sides[0]} & {it.doc for it in sides[1]}
+        whole, uncut item on the other is reunited by swapping the two, when the areas stay within the slack.
+        ``sides``: ``self.sides()``, changed in place."""
+        # A document with two items anywhere is on both sides (a cut gives each side a piece): only the documents
+        # cut here can be, and their items are the pieces.
+        split = sorted({it.doc for it in sides[0][3].values()} & {it.doc for it in sides[1][3].values()})
         if not split:
             return
-        lengths = {it.length for side in sides for it in side if it.doc in split}
-        by_length: List[dict] = [{}, {}]
         # Where each document's pieces are: a swap moves only the split document being mended and an uncut
         # item, so the positions of the split documents still to be visited never change.
         where: List[dict] = [{}, {}]
-        for side in (0, 1):
-            for k, it in enumerate(sides[side]):
+        for side, places in zip(sides, where):
+            for k, it in sorted(side[3].items()):
                 if it.doc in split:
-                    where[side].setdefault(it.doc, []).append(k)
-                elif it.length in lengths:
-                    by_length[side].setdefault(it.length, []).append(k)
-        for doc in sorted(split):
+                    places.setdefault(it.doc, []).append(k)
+        lengths = sorted({int(side[1][k]) for side, places in zip(sides, where) for ks in places.values() for k in ks})
+        # Per side, the uncut items by length (positions increasing; the last one is swapped first).
+        by_length: List[dict] = [{}, {}]
+        for side, places, lists in zip(sides, where, by_length):
+            pieces = {k for ks in places.values() for k in ks}
+            at = np.flatnonzero(_among(side[1], lengths))
+            for k, length in zip(at.tolist(), side[1][at].tolist()):
+                if k not in pieces:
+                    lists.setdefault(length, []).append(k)
+
+        def entry(side: int, k: int) -> Tuple[int, int, int, Optional[_Item]]:
+            doc, length, area, pieces = sides[side]
+            return int(doc[k]), int(length[k]), int(area[k]), pieces.pop(k, None)
+
+        def store(side: int, k: int, value: Tuple[int, int, int, Optional[_Item]]) -> None:
+            doc, length, area, pieces = sides[side]
+            doc[k], length[k], area[k] = value[:3]
+            if value[3] is not None:
+                pieces[k] = value[3]
+
+        for doc in split:
             for home in (0, 1):
                 away = where[1 - home][doc]
                 if len(away) != 1:
                     continue
-                piece = sides[1 - home][away[0]]
-                candidates = by_length[home].get(piece.length, [])
+                piece_length, piece_area = int(sides[1 - home][1][away[0]]), int(sides[1 - home][2][away[0]])
+                candidates = by_length[home].get(piece_length, [])
                 if not candidates:
                     continue
-                swap = sides[home][candidates[-1]]
-                delta = piece.area - swap.area
+                delta = piece_area - int(sides[home][2][candidates[-1]])
                 if not (abs(self.missing[home] - delta) <= max(abs(self.missing[home]), self.slack)
                         and abs(self.missing[1 - home] + delta) <= max(abs(self.missing[1 - home]), self.slack)):
                     continue
                 k = candidates.pop()
-                sides[home][k], sides[1 - home][away[0]] = piece, swap
+                piece, swap = entry(1 - home, away[0]), entry(home, k)
+                store(home, k, piece)
+                store(1 - home, away[0], swap)
                 self.missing[home] -= delta
                 self.missing[1 - home] += delta
                 break
 
+    def merged(self, side: Tuple[np.ndarray, np.ndarray, np.ndarray, Dict[int, _Item]]) -> _Items:
+        """One item per document (what a pool holds): the uncut items in order, then the pieces of each
+        document cut here (the only documents a side can hold several pieces of) as one item, adjacent ranges
+        merged (few, contiguous segments)."""
+        doc, length, area, pieces = side
+        inherited = self.items.pieces
+        kept = {d: r for d, r in inherited.items() if d not in self.cut} if self.cut else inherited
+        if not pieces:
+            return _Items(doc, length, area, kept)
+        uncut = np.ones(len(doc), dtype=bool)
+        uncut[list(pieces)] = False
+        by_doc: dict = {}
+        for k in sorted(pieces):
+            by_doc.setdefault(pieces[k].doc, []).append(pieces[k])
+        merged = []
+        for d, parts in by_doc.items():
+            if len(parts) == 1:
+                merged.append(parts[0])
+                continue
+            ranges: List[List[int]] = []
+            for s, e in sorted(r for it in parts for r in it.ranges):
+                if ranges and ranges[-1][1] == s:
+                    ranges[-1][1] = e
+                else:
+                    ranges.append([s, e])
+            merged.append(_Item(d, tuple((s, e) for s, e in ranges)))
+        return _Items(*(np.concatenate([values[uncut], [getattr(it, f) for it in merged]])
+                        for values, f in ((doc, "doc"), (length, "length"), (area, "area"))),
+                      {**kept, **{it.doc: it.ranges for it in merged if not it.simple}})
 
-def _exchange(inside: List[int], outside: List[int], lengths: List[int], taken: List[bool], gap: int,
-              limit: int) -> int:
+
+def _exchange(inside: List[int], outside: List[int], lengths: Dict[int, int], taken: np.ndarray, gap: int) -> int:
     """Swap the shortest few items so that ``taken`` gains exactly ``gap`` tokens: u - t, u1 + u2 - t or
-    u - t1 - t2 = gap (u: items not taken, t: taken; ``inside`` / ``outside``: increasing indices of the taken /
-    untaken items; ``limit``: the shortest this many of each are considered). Returns the gap left (0 on success)."""
-    # Stable sorts of increasing indices by length: (length, index) order.
-    inside = sorted(inside, key=lengths.__getitem__)[:limit]
-    outside = sorted(outside, key=lengths.__getitem__)[:limit]
+    u - t1 - t2 = gap (u: items not taken, t: taken; ``inside`` / ``outside``: the shortest taken / untaken items
+    in (length, index) order; ``lengths``: theirs). Returns the gap left (0 on success)."""
     by_length: dict = {}
     for m in inside:
         by_length.setdefault(lengths[m], []).append(m)
@@ -579,50 +819,59 @@ def _exhaustive_bisection(items: List[_Item], rooms: Tuple[int, int], targets: T
     return sides
 
 
-def _bisect_items(items: List[_Item], rooms: Tuple[int, int], targets: Tuple[float, float],
+def _bisect_items(items: Union[_Items, Sequence[_Item]], rooms: Tuple[int, int], targets: Tuple[float, float],
                   between_nodes: bool, config: PlacementConfig = PlacementConfig(),
-                  slack: Optional[float] = None) -> List[List[_Item]]:
+                  slack: Optional[float] = None) -> List[_Items]:
     """Split ``items`` into two sides of exactly ``rooms`` tokens whose areas approach ``targets``.
     ``between_nodes``: the sides are groups of nodes, so short documents are not cut (inter-node traffic).
     ``slack``: how far (a fraction of the smaller target) a side may miss its target; default ``config.slack``."""
-    if rooms[1] == 0:
-        return [items, []]
-    if rooms[0] == 0:
-        return [[], items]
+    items = _as_items(items)
+    if rooms[0] == 0 or rooms[1] == 0:
+        empty = items.take(np.zeros(0, dtype=np.int64))
+        return [items, empty] if rooms[1] == 0 else [empty, items]
     state = _Bisection(items, rooms, targets, config, between_nodes, slack)
     if between_nodes and len(items) <= config.exhaustive:
-        sides = _exhaustive_bisection(items, rooms, targets, state.slack, config.visits)
-        if sides is not None:
-            return sides
-    pool = state.pool.items
+        found = _exhaustive_bisection(items.items(), rooms, targets, state.slack, config.visits)
+        if found is not None:
+            return [_Items.of(side) for side in found]
+    pool = state.pool
     heavy = config.heavy * max(1.0, min(targets))
     # Items are placed one by one up to the last heavy one; the rest are dealt as a window.
-    end = len(pool)
-    while end and pool[end - 1].area <= heavy:
-        end -= 1
+    over = np.flatnonzero(pool.item_area_array > heavy)
+    end = int(over[-1]) + 1 if len(over) else 0
+    if end > 64 or len(pool) <= 4096:  # many scalar reads, or few items: Python lists are faster
+        pool.as_lists()
     short = max(int(config.short * min(rooms)), config.short_tokens) if between_nodes else 0
-    deferred = [pool[k] for k in range(end) if not state.place_heavy(k, short)]
-    if deferred:  # one light pool in density order again
-        state.pool = _Pool(sorted(deferred + pool[end:], key=_key_of))
+    deferred = [k for k in range(end) if not state.place_heavy(k, short)]
+    if deferred:  # one light pool in density order again (the deferred items come before the rest in it)
+        state.pool = _Pool(state.items, np.concatenate([np.array(deferred, dtype=np.int64), pool.sel[end:]]))
         end = 0
     state.place_light(end)
-    state.mend_cuts()
-    sides = [_merged(side, state.cut) for side in state.out]
-    return _reopened(items, sides, rooms, targets, state.slack, config) if between_nodes else sides
+    placed = state.sides()
+    state.mend_cuts(placed)
+    sides = [state.merged(side) for side in placed]
+    if not between_nodes:
+        return sides
+    # The documents on both sides: only ones cut here can be.
+    cut = sorted({it.doc for it in placed[0][3].values()} & {it.doc for it in placed[1][3].values()})
+    return _reopened(items, sides, cut, rooms, targets, state.slack, config)
 
 
-def _cut_rows(sides: Sequence[Sequence[_Item]]) -> int:
-    """Rows a bisection moves: for each document on both sides, the end of the piece not holding its last
-    position (the horizon formula, one cut per document)."""
-    ends: List[dict] = [{}, {}]
-    for side, items in zip(ends, sides):
-        for it in items:
-            side[it.doc] = it.ranges[-1][1]
+def _cut_rows(sides: Sequence[Union[_Items, Sequence[_Item]]], docs: Optional[Sequence[int]] = None) -> int:
+    """Rows a bisection moves: for each document on both sides (all among ``docs`` where given), the end of the
+    piece not holding its last position (the horizon formula, one cut per document)."""
+    sides = [_as_items(side) for side in sides]
+    if docs is None:
+        docs = np.intersect1d(sides[0].doc, sides[1].doc)
+    ends: List[dict] = []
+    for side in sides:
+        at = np.flatnonzero(_among(side.doc, docs))
+        ends.append(dict(zip(side.doc[at].tolist(), side.ends()[at].tolist())))
     return sum(min(end, ends[1][doc]) for doc, end in ends[0].items() if doc in ends[1])
 
 
-def _reopened(items: List[_Item], sides: List[List[_Item]], rooms: Tuple[int, int], targets: Tuple[float, float],
-              slack: float, config: PlacementConfig) -> List[List[_Item]]:
+def _reopened(items: _Items, sides: List[_Items], cut: List[int], rooms: Tuple[int, int],
+              targets: Tuple[float, float], slack: float, config: PlacementConfig) -> List[_Items]:
     """The greedy bisection's cuts searched again: the documents it cut, whole, and the shortest whole items of
     each side (alternately, ``config.reopened`` items in all) are split again over every subset
     (``_exhaustive_bisection``), the other items staying where they are; kept when it moves fewer rows.
@@ -630,32 +879,56 @@ def _reopened(items: List[_Item], sides: List[List[_Item]], rooms: Tuple[int, in
     A greedy cut leaves its holder at the edge of feasibility, so the items placed after it are cut too (three
     cuts in one bisection of two nodes, where one would do); the short items give the search the token counts
     and areas to fill the rooms exactly around a single cut. After a single greedy cut the search saved little of
-    the rows it saves after several, at most of its time (tools/plan_report.py measures both)."""
-    cut = {it.doc for it in sides[0]} & {it.doc for it in sides[1]}
+    the rows it saves after several, at most of its time (tools/plan_report.py measures both). ``cut``: the
+    documents on both sides."""
     if len(cut) < 2 or len(cut) > config.reopened - 2:  # a single cut: a few rows to save (~100 on the buckets)
         return sides
-    shortest = [sorted((it for it in side if it.doc not in cut), key=_length_of) for side in sides]
-    alternate = [it for pair in zip_longest(*shortest) for it in pair if it is not None]
-    free = [it for it in items if it.doc in cut] + alternate[:config.reopened - len(cut)]
-    moved = {it.doc for it in free}
-    fixed = [[it for it in side if it.doc not in moved] for side in shortest]
-    found = _exhaustive_bisection(free, tuple(r - sum(map(_length_of, f)) for r, f in zip(rooms, fixed)),
-                                  tuple(t - sum(map(_area_of, f)) for t, f in zip(targets, fixed)), slack,
-                                  config.visits)
+    wanted = config.reopened - len(cut)
+    # Per side, its uncut items by increasing length (ties in the side's order): the first `wanted` can be moved.
+    shortest = []
+    for side in sides:
+        uncut = np.flatnonzero(~_among(side.doc, cut))
+        shortest.append(uncut[_shortest(side.length[uncut], wanted)].tolist())
+    alternate = [(s, k) for pair in zip_longest(*shortest) for s, k in zip((0, 1), pair) if k is not None][:wanted]
+    free = [items.item(k) for k in np.flatnonzero(_among(items.doc, cut)).tolist()]
+    free += [sides[s].item(k) for s, k in alternate]
+    moved = np.array(sorted(it.doc for it in free), dtype=np.int64)
+    fixed = [side.take(np.flatnonzero(~_among(side.doc, moved))) for side in sides]
+    found = _exhaustive_bisection(free, tuple(r - int(f.length.sum()) for r, f in zip(rooms, fixed)),
+                                  tuple(t - f.total_area() for t, f in zip(targets, fixed)), slack, config.visits)
     if found is None:
         return sides
-    found = [f + side for f, side in zip(fixed, found)]
-    return found if _cut_rows(found) < _cut_rows(sides) else sides
+    joined = []
+    for f, side in zip(fixed, found):
+        side = _Items.of(side)
+        joined.append(_concat([f, side], {**{d: r for d, r in f.pieces.items() if d not in moved}, **side.pieces}))
+    return joined if _cut_rows(joined, moved) < _cut_rows(sides, cut) else sides
 
 
-def _split(items: List[_Item], groups: list, caps: Sequence[int], targets: Sequence[float], config: PlacementConfig,
-           node_slack: float) -> List[List[_Item]]:
+def _shortest(lengths: np.ndarray, count: int) -> np.ndarray:
+    """Indices of the ``count`` smallest of ``lengths`` in (length, index) order (a stable sort's first ``count``),
+    without sorting them all."""
+    if count >= len(lengths):
+        return np.argsort(lengths, kind="stable")
+    if count <= 0:
+        return np.zeros(0, dtype=np.int64)
+    bar = np.partition(lengths, count - 1)[count - 1]
+    # Every index below the bar, then the first ones at it: the `count` smallest, ties by index.
+    chosen = np.flatnonzero(lengths <= bar)
+    below = lengths[chosen] < bar
+    chosen = np.concatenate([chosen[below], chosen[~below][:count - int(below.sum())]])
+    return chosen[np.argsort(lengths[chosen], kind="stable")]
+
+
+def _split(items: Union[_Items, Sequence[_Item]], groups: list, caps: Sequence[int], targets: Sequence[float], config: PlacementConfig,
+           node_slack: float) -> List[_Items]:
     """Recursive bisection over a tree of bins: ``groups`` is a bin index or a list of subtrees; bisections
     between nodes may miss their targets by ``node_slack`` (a fraction), those inside a node by ``config.slack``.
 
     Each side's bin targets are rescaled to the area the side actually received, so a bisection's error
     is shared by all the bins below it instead of landing on the last bin split (a node slightly over its
     target made one of its members several times as far over)."""
+    items = _as_items(items)
     if isinstance(groups, int):
         return [items]
     if len(groups) == 1:
@@ -671,7 +944,7 @@ def _split(items: List[_Item], groups: list, caps: Sequence[int], targets: Seque
     for side, leaves in zip(sides, (lb, rb)):
         wanted = sum(targets[b] for b in leaves)
         if wanted > 0:
-            factor = sum(map(_area_of, side)) / wanted
+            factor = side.total_area() / wanted
             for b in leaves:
                 scaled[b] = targets[b] * factor
     return (_split(sides[0], left, caps, scaled, config, node_slack)
@@ -683,31 +956,6 @@ def _leaves(groups: object) -> List[int]:
         return [groups]
     return [b for g in groups for b in _leaves(g)]
 
-
-
-def _merged(items: List[_Item], cut: set) -> List[_Item]:
-    """One item per document (what a pool holds): the pieces of each document in ``cut`` (the only documents
-    a side can hold several pieces of) become one item, adjacent ranges merged (few, contiguous segments)."""
-    if not cut:
-        return items
-    out, pieces = [], {}
-    for it in items:
-        if it.doc in cut:
-            pieces.setdefault(it.doc, []).append(it)
-        else:
-            out.append(it)
-    for doc, parts in pieces.items():
-        if len(parts) == 1:
-            out.append(parts[0])
-            continue
-        ranges: List[List[int]] = []
-        for s, e in sorted(r for it in parts for r in it.ranges):
-            if ranges and ranges[-1][1] == s:
-                ranges[-1][1] = e
-            else:
-                ranges.append([s, e])
-        out.append(_Item(doc, tuple((s, e) for s, e in ranges)))
-    return out
 
 
 def _check_size(name: str, value: object, minimum: int) -> None:
@@ -767,10 +1015,8 @@ def sequence_aware_table(doc_lengths: Sequence[int], *, ring_size: int, ulysses_
     if placement is not None and not isinstance(placement, PlacementConfig):
         raise ValueError(f"placement must be a PlacementConfig or None, got {type(placement).__name__}")
     config = placement or PlacementConfig()
-    for i, n in enumerate(doc_lengths):
-        if not isinstance(n, int) or isinstance(n, bool) or n < 0:
-            raise ValueError(f"doc_lengths[{i}]={n!r} must be an int >= 0")
-    total = sum(doc_lengths)
+    lengths = _checked_lengths(doc_lengths)
+    total = int(lengths.sum())
     member_tokens = ulysses_size * tokens_per_rank
     if total > ring_size * member_tokens:
         raise ValueError(f"tokens_per_rank={tokens_per_rank} is too small: {ring_size * ulysses_size} CP ranks hold "
@@ -778,8 +1024,9 @@ def sequence_aware_table(doc_lengths: Sequence[int], *, ring_size: int, ulysses_
                          f"{-(-total // (ring_size * ulysses_size))}")
     weight = (cost_model or CostModel()).linear_weight
     caps = [min(member_tokens, max(0, total - m * member_tokens)) for m in range(ring_size)]
-    docs = [_Item.whole(d, n) for d, n in enumerate(doc_lengths) if n > 0]
-    targets = _attention_targets(caps, sum(it.area for it in docs), weight, max(doc_lengths, default=0))
+    doc = np.flatnonzero(lengths > 0)
+    docs = _Items(doc, lengths[doc], lengths[doc] * (lengths[doc] + 1) // 2, {})
+    targets = _attention_targets(caps, docs.total_area(), weight, int(lengths.max(initial=0)))
     nodes = [list(range(m, min(m + ring_members_per_node, ring_size)))
              for m in range(0, ring_size, ring_members_per_node)]
     # Planned with the widest slack first; kept when every member's attention is within the target of its own
@@ -788,14 +1035,41 @@ def sequence_aware_table(doc_lengths: Sequence[int], *, ring_size: int, ulysses_
     best = None
     for slack in _node_slacks(config, len(nodes), min(ring_members_per_node, ring_size)):
         members = _split(docs, nodes, caps, targets, config, slack)
-        worst = max((sum(map(_area_of, items)) / t for items, t in zip(members, targets) if t > 0), default=1.0)
+        worst = max((items.total_area() / t for items, t in zip(members, targets) if t > 0), default=1.0)
         if best is None or worst < best[0]:
             best = (worst, members)
         if worst <= config.attention_target:
             break
     members = best[1]
     # Each member's stream: its documents in index order (one item each), each item's ranges in order.
-    rows = [(m, it.doc, s, e) for m, items in enumerate(members) for it in sorted(items, key=_doc_of)
-            for s, e in it.ranges]
-    member, doc, start, end = np.fromiter(chain.from_iterable(rows), np.int64, 4 * len(rows)).reshape(-1, 4).T
+    streams = []
+    for m, items in enumerate(members):
+        order = np.argsort(items.doc)
+        doc, start, end = items.doc[order], np.zeros(len(items), dtype=np.int64), items.length[order]
+        at = np.flatnonzero(_among(doc, items.pieces)) if items.pieces else ()
+        if len(at):  # an item cut above: a row per range
+            ranges = [items.pieces[d] for d in doc[at].tolist()]
+            count = np.ones(len(doc), dtype=np.int64)
+            count[at] = [len(r) for r in ranges]
+            first = np.cumsum(count) - count
+            doc, start, end = np.repeat(doc, count), np.repeat(start, count), np.repeat(end, count)
+            rows = np.concatenate([np.arange(f, f + len(r)) for f, r in zip(first[at].tolist(), ranges)])
+            start[rows], end[rows] = np.array([r for rs in ranges for r in rs], dtype=np.int64).T
+        streams.append((np.full(len(doc), m), doc, start, end))
+    member, doc, start, end = (np.concatenate(a) for a in zip(*streams))
     return split_streams(member, doc, start, end, ulysses_size, tokens_per_rank)
+
+
+def _checked_lengths(doc_lengths: Sequence[int]) -> np.ndarray:
+    """``doc_lengths`` as int64 ``[n]``; ValueError naming the first entry that is not an int >= 0. An integer
+    numpy array (what ``plan_batch`` passes) is checked with numpy ops."""
+    if isinstance(doc_lengths, np.ndarray) and doc_lengths.dtype.kind in "iu" and doc_lengths.ndim == 1:
+        lengths = doc_lengths.astype(np.int64, copy=False)
+        if len(lengths) and lengths.min() < 0:
+            i = int(np.argmax(lengths < 0))
+            raise ValueError(f"doc_lengths[{i}]={int(lengths[i])!r} must be an int >= 0")
+        return lengths
+    for i, n in enumerate(doc_lengths):
+        if not isinstance(n, int) or isinstance(n, bool) or n < 0:
+            raise ValueError(f"doc_lengths[{i}]={n!r} must be an int >= 0")
+    return np.fromiter(doc_lengths, np.int64, len(doc_lengths))

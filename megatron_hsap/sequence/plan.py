@@ -23,7 +23,7 @@ from megatron_hsap.device_cache import host_to_device
 from megatron_hsap.head_split import split_heads
 from megatron_hsap.parallel_state import CPTopology
 from megatron_hsap.sequence.cost_model import CostModel
-from megatron_hsap.sequence.plan_cache import PlanCache
+from megatron_hsap.sequence.plan_cache import PlanCache, approximate_bytes
 from megatron_hsap.kernels.base import band_area
 from megatron_hsap.sequence.layouts import LAYOUT_TABLES, Segment, check_table, table_segments
 from megatron_hsap.sequence.placement_config import PlacementConfig
@@ -42,15 +42,15 @@ def validate_cu_seqlens(cu_seqlens: torch.Tensor) -> Tuple[int, ...]:
         raise ValueError(f"cu_seqlens must have dtype int32 or int64, got {cu_seqlens.dtype}")
     if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 1:
         raise ValueError(f"cu_seqlens must be 1-D [num_docs + 1], got shape {tuple(cu_seqlens.shape)}")
-    values = cu_seqlens.tolist()
+    values = cu_seqlens.detach().cpu().numpy().astype(np.int64)
     if values[0] != 0:
         raise ValueError(f"cu_seqlens must start at 0, got {values[0]}")
-    lengths = tuple(b - a for a, b in zip(values[:-1], values[1:]))
-    if any(n < 0 for n in lengths):
-        bad = next(i for i, n in enumerate(lengths) if n < 0)
+    lengths = np.diff(values)
+    if len(lengths) and lengths.min() < 0:
+        bad = int(np.argmax(lengths < 0))
         raise ValueError(f"cu_seqlens must be non-decreasing; cu_seqlens[{bad + 1}]={values[bad + 1]} < "
                          f"cu_seqlens[{bad}]={values[bad]}")
-    return lengths
+    return tuple(lengths.tolist())
 
 
 @dataclass(frozen=True)
@@ -190,10 +190,11 @@ def build_plan_data(doc_lengths: Tuple[int, ...], topology_signature: tuple, lay
     cp, ulysses, nodes = topology_signature
     topology = CPTopology(cp_size=cp, ulysses_size=ulysses, node_of_cp_rank=nodes)
     with _gc_paused():
-        table, tokens_per_rank = LAYOUT_TABLES[layout].table(doc_lengths, topology, cost_model, placement)
-        check_table(table, doc_lengths, tokens_per_rank)
+        lengths = np.fromiter(doc_lengths, np.int64, len(doc_lengths))  # one conversion for every step below
+        table, tokens_per_rank = LAYOUT_TABLES[layout].table(lengths, topology, cost_model, placement)
+        check_table(table, lengths, tokens_per_rank)
         data = _PlanData(doc_lengths, layout, cp, ulysses, table, tokens_per_rank)
-        data.tables = _member_tables(table, doc_lengths, tokens_per_rank, ulysses, cp // ulysses)
+        data.tables = _member_tables(table, lengths, tokens_per_rank, ulysses, cp // ulysses)
     return data
 
 
@@ -202,7 +203,15 @@ PlanKey = Tuple[Tuple[int, ...], Tuple[int, int, Tuple[int, ...]], str, Optional
 #: The plans' rank-independent data by ``plan_key``: up to ``PLAN_CACHE_BYTES`` (the training script's
 #: ``--plan-cache-mb``), least recently used evicted.
 PLAN_CACHE_BYTES = 256 << 20
-PLAN_CACHE: PlanCache = PlanCache(max_bytes=PLAN_CACHE_BYTES)
+def _plan_bytes(data: object) -> int:
+    """``approximate_bytes`` of a cache entry, a plan's lengths tuple counted without visiting its ints (a pointer
+    each: they hold nothing else), which a batch of 2**20 documents would make a noticeable part of planning."""
+    if isinstance(data, _PlanData):
+        return 8 * len(data.doc_lengths) + approximate_bytes({k: v for k, v in vars(data).items() if k != "doc_lengths"})
+    return approximate_bytes(data)
+
+
+PLAN_CACHE: PlanCache = PlanCache(max_bytes=PLAN_CACHE_BYTES, size_of=_plan_bytes)
 
 
 def plan_key(cu_seqlens: torch.Tensor, topology_signature: Tuple[int, int, Tuple[int, ...]], layout: str,
