@@ -545,19 +545,8 @@ class _Bisection:
         k = min(t, pool.search(int(tokens[j]) + gap, "right") - 1)
         taken[j:k] = True
         gap -= int(tokens[k]) - int(tokens[j])
-        if gap:  # close the gap with the longest items left that fit (the run may have used the shortest):
-            # by decreasing length, then increasing index; of equal ones, as many as fit
-            fits = np.flatnonzero(~taken[i:] & (lengths[i:] <= gap)) + i
-            fits = fits[np.argsort(-lengths[fits], kind="stable")]
-            values = lengths[fits]
-            starts = np.flatnonzero(np.diff(values, prepend=-1)).tolist() + [len(fits)]
-            for a, b in zip(starts[:-1], starts[1:]):
-                value = int(values[a])
-                count = min(b - a, gap // value)
-                taken[fits[a:a + count]] = True
-                gap -= count * value
-                if gap == 0:
-                    break
+        if gap:  # close the gap with the longest items left that fit (the run may have used the shortest)
+            gap = _close_gap(lengths, taken, i, gap)
         if gap:  # or exchange items: one or two untaken ones in, one or two taken ones out, `gap` tokens more
             limit = self.config.exchange
             inside, outside = np.flatnonzero(taken[i:]) + i, np.flatnonzero(~taken[i:]) + i
@@ -695,6 +684,23 @@ class _Bisection:
         return _Items(*(np.concatenate([values[uncut], [getattr(it, f) for it in merged]])
                         for values, f in ((doc, "doc"), (length, "length"), (area, "area"))),
                       {**kept, **{it.doc: it.ranges for it in merged if not it.simple}})
+
+
+def _close_gap(lengths: np.ndarray, taken: np.ndarray, i: int, gap: int) -> int:
+    """Take untaken items of ``i:`` (``taken`` updated) into a ``gap`` of tokens: the longest that fit first, by
+    decreasing length, then increasing index; of equal ones, as many as fit. Returns the gap left."""
+    fits = np.flatnonzero(~taken[i:] & (lengths[i:] <= gap)) + i
+    fits = fits[np.argsort(-lengths[fits], kind="stable")]
+    values = lengths[fits]
+    starts = np.flatnonzero(np.diff(values, prepend=-1)).tolist() + [len(fits)]
+    for a, b in zip(starts[:-1], starts[1:]):
+        value = int(values[a])
+        count = min(b - a, gap // value)
+        taken[fits[a:a + count]] = True
+        gap -= count * value
+        if gap == 0:
+            break
+    return gap
 
 
 def _exchange(inside: List[int], outside: List[int], lengths: Dict[int, int], taken: np.ndarray, gap: int) -> int:
