@@ -637,6 +637,24 @@ def _command_line(pid: int) -> str:
         return ""
 
 
+def _wait_for_the_first_save(ckpt, running, stderr) -> None:
+    """Until the run's first checkpoint is complete (its save started the checkpoint writer's helpers)."""
+    deadline = time.monotonic() + HANG_SECONDS
+    while not (ckpt / "latest_checkpointed_iteration.txt").exists():
+        assert running() and time.monotonic() < deadline, stderr.read_text()[-3000:]
+        time.sleep(0.05)
+
+
+def _survivors(processes: list, seconds: float = 5.0) -> list:
+    """(pid, command line) of ``processes`` still alive ``seconds`` after the launcher's death."""
+    from tests.test_fault_tolerance import _alive
+
+    deadline = time.monotonic() + seconds
+    while any(map(_alive, processes)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return [(p, _command_line(p)) for p in processes if _alive(p)]
+
+
 def test_sigkill_of_torchrun_leaves_no_process_behind(tmp_path, cache_dir):
     """torchrun's ranks and their helpers die with its agent (each worker is in a session of its own, so
     nothing else would stop them). Before: both ranks and the checkpoint writer's Manager lived on."""
@@ -654,18 +672,12 @@ def test_sigkill_of_torchrun_leaves_no_process_behind(tmp_path, cache_dir):
              "--save", str(ckpt), "--save-interval", "1"], cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=stderr)
     processes: list = []
     try:
-        deadline = time.monotonic() + HANG_SECONDS
-        while not (ckpt / "latest_checkpointed_iteration.txt").exists():  # the first save started the helpers
-            assert agent.poll() is None and time.monotonic() < deadline, (tmp_path / "stderr").read_text()[-3000:]
-            time.sleep(0.05)
+        _wait_for_the_first_save(ckpt, lambda: agent.poll() is None, tmp_path / "stderr")
         processes = _descendants(agent.pid)
         assert sum(SCRIPT in _command_line(p) for p in processes) >= 2, [_command_line(p) for p in processes]
         agent.kill()
         agent.wait()
-        deadline = time.monotonic() + 5
-        while any(map(_alive, processes)) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        survivors = [(p, _command_line(p)) for p in processes if _alive(p)]
+        survivors = _survivors(processes)
     finally:
         agent.kill()
         for pid in processes:
@@ -678,7 +690,6 @@ def test_sigkill_of_the_launcher_leaves_no_process_behind(tmp_path, cache_dir):
     """Ranks, the checkpoint writer's spawned Manager and Python's resource tracker all die with the launcher.
     Before: the Manager and the resource tracker were alive 60 s later."""
     from tests.cli_runs import _script_main, forkserver_context
-    from tests.test_fault_tolerance import _alive
     from tests.test_training_pretrain import ROOT, SCRIPT
 
     ckpt = tmp_path / "ckpt"
@@ -691,19 +702,13 @@ def test_sigkill_of_the_launcher_leaves_no_process_behind(tmp_path, cache_dir):
         SCRIPT, argv, env, ROOT, str(tmp_path / "stdout"), str(tmp_path / "stderr")))
     launcher.start()
     try:
-        deadline = time.monotonic() + HANG_SECONDS
-        while not (ckpt / "latest_checkpointed_iteration.txt").exists():  # the first save started the helpers
-            assert launcher.is_alive() and time.monotonic() < deadline, (tmp_path / "stderr").read_text()[-3000:]
-            time.sleep(0.05)
+        _wait_for_the_first_save(ckpt, launcher.is_alive, tmp_path / "stderr")
         processes = _descendants(launcher.pid)
         helpers = [p for p in processes if "spawn_main" in _command_line(p) or "resource_tracker" in
                    _command_line(p)]
         assert helpers, [_command_line(p) for p in processes]  # the Manager (and the tracker) exist
         os.kill(launcher.pid, signal.SIGKILL)
-        deadline = time.monotonic() + 5
-        while any(map(_alive, processes)) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        survivors = [(p, _command_line(p)) for p in processes if _alive(p)]
+        survivors = _survivors(processes)
     finally:
         launcher.kill()
         launcher.join()
