@@ -96,6 +96,34 @@ def test_plan_batch_keeps_plans_within_its_byte_budget_and_uses_inserted_plan_da
     assert plan_batch(cu.to(torch.int64), topology, "contiguous")._data is data
 
 
+def test_the_schedules_a_cached_plan_compiles_count_against_the_budget():
+    """A plan's member schedules are built on use, after the plan was stored: their bytes join its entry, and
+    over the budget the least recently used plans go (before: the cache counted only what was stored)."""
+    from megatron_hsap.sequence.plan_cache import approximate_bytes
+
+    topology = CPTopology.offline(4, 2, 2)
+    PLAN_CACHE.clear()
+    first = plan_batch(cu_seqlens_from_lengths([300, 50, 150]), topology, "sequence-aware")
+    key = first._data.cache_key
+    stored = PLAN_CACHE.bytes
+    schedule = first.member_schedule(True, member=0)
+    grown = PLAN_CACHE.bytes - stored
+    assert grown >= approximate_bytes(schedule) > 0  # the schedule, and the piece tables built for it
+    first.member_schedule(True, member=0)  # already compiled: nothing more
+    assert PLAN_CACHE.bytes == stored + grown
+    second = plan_batch(cu_seqlens_from_lengths([120, 380]), topology, "sequence-aware")
+    before = PLAN_CACHE.bytes
+    old_max = PLAN_CACHE.max_bytes
+    try:
+        PLAN_CACHE.set_max_bytes(before)  # room for both as they are, not for the second's schedules
+        second.member_schedule(True, member=1)
+        assert key not in PLAN_CACHE and second._data.cache_key in PLAN_CACHE  # the least recently used went
+        assert PLAN_CACHE.bytes <= before
+    finally:
+        PLAN_CACHE.set_max_bytes(old_max)
+        PLAN_CACHE.clear()
+
+
 # ---------------------------------------------------------------- workers in this process
 
 def test_workers_plan_and_the_training_process_only_looks_up(monkeypatch):

@@ -31,7 +31,7 @@ from megatron_hsap.sequence.schedule import (MemberSchedule, Piece, Window, buil
                                              member_pieces, normalize_window, piece_tables)
 
 __all__ = ["BatchPlan", "PlanStats", "PLAN_CACHE", "PlanKey", "build_plan_data", "plan_batch", "plan_key",
-           "validate_cu_seqlens"]
+           "store_plan_data", "validate_cu_seqlens"]
 
 
 def validate_cu_seqlens(cu_seqlens: torch.Tensor) -> Tuple[int, ...]:
@@ -112,9 +112,12 @@ class _PlanData:
     #: What every member's schedule derives from ``tables`` alike (``build_member_schedule``'s ``shared``),
     #: built with the first schedule; not pickled (rebuilt on first use where the data lands).
     compiled: Dict[object, object] = field(default_factory=dict, compare=False, repr=False)
+    #: Its key in ``PLAN_CACHE`` once stored there: what it builds later (schedules) is counted against the
+    #: cache's budget under that key. Not pickled.
+    cache_key: Optional["PlanKey"] = field(default=None, compare=False, repr=False)
 
     def __getstate__(self) -> Dict[str, object]:
-        return {**self.__dict__, "compiled": {}}
+        return {**self.__dict__, "compiled": {}, "cache_key": None}
 
     @property
     def rank_segments(self) -> Tuple[Tuple[Segment, ...], ...]:
@@ -132,11 +135,18 @@ class _PlanData:
                  node_of_member: Optional[Tuple[int, ...]] = None) -> MemberSchedule:
         key = (member, causal, window, node_of_member)
         if key not in self.schedules:
+            built: List[object] = [] if self._pieces is not None else [None]  # pieces: built below if missing
             if self.tables is None:
                 self.tables = piece_tables(self.pieces)
+                built.append(self.tables)
+            first = not self.compiled
             with _gc_paused():
                 self.schedules[key] = build_member_schedule(self.tables, member, causal, window, node_of_member,
                                                             self.compiled)
+            built += [self.schedules[key], self._pieces if built[:1] == [None] else None,
+                      self.compiled if first else None]
+            if self.cache_key is not None:
+                PLAN_CACHE.add_bytes(self.cache_key, approximate_bytes([b for b in built if b is not None]))
         return self.schedules[key]
 
 
@@ -207,11 +217,18 @@ def _plan_bytes(data: object) -> int:
     """``approximate_bytes`` of a cache entry, a plan's lengths tuple counted without visiting its ints (a pointer
     each: they hold nothing else), which a batch of 2**20 documents would make a noticeable part of planning."""
     if isinstance(data, _PlanData):
-        return 8 * len(data.doc_lengths) + approximate_bytes({k: v for k, v in vars(data).items() if k != "doc_lengths"})
+        return 8 * len(data.doc_lengths) + approximate_bytes({k: v for k, v in vars(data).items()
+                                                              if k not in ("doc_lengths", "cache_key")})
     return approximate_bytes(data)
 
 
 PLAN_CACHE: PlanCache = PlanCache(max_bytes=PLAN_CACHE_BYTES, size_of=_plan_bytes)
+
+
+def store_plan_data(key: "PlanKey", data: _PlanData) -> None:
+    """Put a plan's data in ``PLAN_CACHE`` under ``key``; the schedules it compiles later count there too."""
+    data.cache_key = key
+    PLAN_CACHE.put(key, data)
 
 
 def plan_key(cu_seqlens: torch.Tensor, topology_signature: Tuple[int, int, Tuple[int, ...]], layout: str,
@@ -254,7 +271,7 @@ def plan_batch(cu_seqlens: torch.Tensor, topology: CPTopology, layout: str = "zi
     data = PLAN_CACHE.get(key)
     if data is None:
         data = build_plan_data(*key)
-        PLAN_CACHE.put(key, data)
+        store_plan_data(key, data)
     return BatchPlan(data, topology)
 
 

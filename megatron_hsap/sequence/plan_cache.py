@@ -107,9 +107,22 @@ class PlanCache(Generic[Value]):
             self._entries[key] = value
             self._sizes[key] = size
             self.bytes += size
-            while (self.maxsize is not None and len(self._entries) > self.maxsize) or \
-                    (self.max_bytes is not None and self.bytes > self.max_bytes):
-                self._drop(next(iter(self._entries)))
+            self._evict()
+
+    def add_bytes(self, key: Hashable, extra: int) -> None:
+        """The value under ``key`` grew by ``extra`` bytes since ``put`` (what it built on use, e.g. a plan's
+        schedules): count them, evicting the least recently used beyond the bounds (this entry too, when it
+        alone is over ``max_bytes``). A key no longer stored is ignored."""
+        with self._lock:
+            if key in self._entries and self.max_bytes is not None:
+                self._sizes[key] += extra
+                self.bytes += extra
+                self._evict()
+
+    def _evict(self) -> None:
+        while (self.maxsize is not None and len(self._entries) > self.maxsize) or \
+                (self.max_bytes is not None and self.bytes > self.max_bytes):
+            self._drop(next(iter(self._entries)))
 
     def _drop(self, key: Hashable) -> None:
         if key in self._entries:

@@ -30,7 +30,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from megatron_hsap.parallel_state import CPTopology
 from megatron_hsap.sequence.cost_model import CostModel
-from megatron_hsap.sequence.plan import PLAN_CACHE, PlanKey, build_plan_data, plan_key
+from megatron_hsap.sequence.plan import PlanKey, build_plan_data, plan_key, store_plan_data
 from megatron_hsap.training.rank_helpers import block_preemption_signals, die_with_parent
 
 __all__ = ["plan_in_workers"]
@@ -141,7 +141,7 @@ def _cached(results: Iterator[Result], count: int) -> Iterator[Any]:
             if isinstance(result, Exception):
                 raise result
             item, key, data = result
-            PLAN_CACHE.put(key, data)
+            store_plan_data(key, data)
             # All received: the loader stops its workers now, not when the iterator is collected (the
             # training loop never asks past its last micro-batch and keeps its iterator until it returns).
             if number == count:
