@@ -132,13 +132,23 @@ def test_every_example_is_run_by_a_checked_block_or_a_test():
     assert unrun == []
 
 
-def test_a_warning_repeated_by_every_rank_fails(tmp_path):
+#: A Python statement that prints one warning.
+WARN_ONCE = "import warnings; warnings.warn('notice')"
+
+
+def _blocks_pass(tmp_path, text: str) -> list:
+    """Whether each checked block of a doc holding ``text`` passes."""
     doc = tmp_path / "doc.md"
-    once = "import warnings; warnings.warn('notice')"
-    doc.write_text(f'<!-- check-docs -->\n```python\n{once}\n```\n\n'
-                   f'<!-- check-docs -->\n```bash\npython -c "{once}"; python -c "{once}"\n```\n')
+    doc.write_text(text)
     tool = _tool()
-    assert [tool.check(b, sys.executable) is None for b in tool.parse(str(doc))] == [True, False]
+    return [tool.check(b, sys.executable) is None for b in tool.parse(str(doc))]
+
+
+def test_a_warning_repeated_by_every_rank_fails(tmp_path):
+    once = WARN_ONCE
+    doc = (f'<!-- check-docs -->\n```python\n{once}\n```\n\n'
+           f'<!-- check-docs -->\n```bash\npython -c "{once}"; python -c "{once}"\n```\n')
+    assert _blocks_pass(tmp_path, doc) == [True, False]
 
 
 def test_a_block_inside_a_list_item_is_checked_too(tmp_path):
@@ -153,9 +163,7 @@ def test_a_block_inside_a_list_item_is_checked_too(tmp_path):
 
 
 def test_each_command_of_a_snippet_may_say_a_warning_once(tmp_path):
-    doc = tmp_path / "doc.md"
-    once = "import warnings; warnings.warn('notice')"
-    doc.write_text(f'<!-- check-docs -->\n```bash\n# two commands, each warns once\npython -c "{once}"\n'
-                   f'python -c \\\n    "{once}"\n```\n')
-    tool = _tool()
-    assert tool.check(tool.parse(str(doc))[0], sys.executable) is None
+    once = WARN_ONCE
+    doc = (f'<!-- check-docs -->\n```bash\n# two commands, each warns once\npython -c "{once}"\n'
+           f'python -c \\\n    "{once}"\n```\n')
+    assert _blocks_pass(tmp_path, doc) == [True]

@@ -135,18 +135,15 @@ class _PlanData:
                  node_of_member: Optional[Tuple[int, ...]] = None) -> MemberSchedule:
         key = (member, causal, window, node_of_member)
         if key not in self.schedules:
-            built: List[object] = [] if self._pieces is not None else [None]  # pieces: built below if missing
+            before = (self._pieces, self.tables, self.compiled or None)
             if self.tables is None:
                 self.tables = piece_tables(self.pieces)
-                built.append(self.tables)
-            first = not self.compiled
             with _gc_paused():
                 self.schedules[key] = build_member_schedule(self.tables, member, causal, window, node_of_member,
                                                             self.compiled)
-            built += [self.schedules[key], self._pieces if built[:1] == [None] else None,
-                      self.compiled if first else None]
-            if self.cache_key is not None:
-                PLAN_CACHE.add_bytes(self.cache_key, approximate_bytes([b for b in built if b is not None]))
+            if self.cache_key is not None:  # the schedule, and what it was the first to need
+                built = [now for was, now in zip(before, (self._pieces, self.tables, self.compiled)) if was is None]
+                PLAN_CACHE.add_bytes(self.cache_key, approximate_bytes([self.schedules[key]] + built))
         return self.schedules[key]
 
 
@@ -213,6 +210,8 @@ PlanKey = Tuple[Tuple[int, ...], Tuple[int, int, Tuple[int, ...]], str, Optional
 #: The plans' rank-independent data by ``plan_key``: up to ``PLAN_CACHE_BYTES`` (the training script's
 #: ``--plan-cache-mb``), least recently used evicted.
 PLAN_CACHE_BYTES = 256 << 20
+
+
 def _plan_bytes(data: object) -> int:
     """``approximate_bytes`` of a cache entry, a plan's lengths tuple counted without visiting its ints (a pointer
     each: they hold nothing else), which a batch of 2**20 documents would make a noticeable part of planning."""
