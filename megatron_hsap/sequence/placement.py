@@ -927,34 +927,57 @@ def _shortest(lengths: np.ndarray, count: int) -> np.ndarray:
 
 
 def _split(items: Union[_Items, Sequence[_Item]], groups: list, caps: Sequence[int], targets: Sequence[float], config: PlacementConfig,
-           node_slack: float) -> List[_Items]:
+           node_slack: float, memo: Optional[dict] = None) -> List[_Items]:
     """Recursive bisection over a tree of bins: ``groups`` is a bin index or a list of subtrees; bisections
     between nodes may miss their targets by ``node_slack`` (a fraction), those inside a node by ``config.slack``.
 
     Each side's bin targets are rescaled to the area the side actually received, so a bisection's error
     is shared by all the bins below it instead of landing on the last bin split (a node slightly over its
-    target made one of its members several times as far over)."""
+    target made one of its members several times as far over).
+
+    ``memo``: the results inside nodes of earlier passes of the same placement (``sequence_aware_table`` plans
+    again with less slack between nodes), by group of bins. Inside a node nothing reads ``node_slack``, so a group
+    given the same items and targets as before gets the same members: they are reused instead of planned again."""
     items = _as_items(items)
     if isinstance(groups, int):
         return [items]
     if len(groups) == 1:
-        return _split(items, groups[0], caps, targets, config, node_slack)
+        return _split(items, groups[0], caps, targets, config, node_slack, memo)
+    between_nodes = not isinstance(groups[0], int)
+    if memo is not None and not between_nodes:
+        key, wanted = tuple(groups), tuple(targets[b] for b in groups)
+        seen = memo.get(key)
+        if seen is not None and seen[1] == wanted and _same_items(seen[0], items):
+            return seen[2]
     half = len(groups) // 2
     left, right = groups[:half], groups[half:]
     lb, rb = _leaves(left), _leaves(right)
-    between_nodes = not isinstance(groups[0], int)
     sides = _bisect_items(items, (sum(caps[b] for b in lb), sum(caps[b] for b in rb)),
                           (sum(targets[b] for b in lb), sum(targets[b] for b in rb)), between_nodes, config,
                           node_slack if between_nodes else config.slack)
     scaled = list(targets)
     for side, leaves in zip(sides, (lb, rb)):
-        wanted = sum(targets[b] for b in leaves)
-        if wanted > 0:
-            factor = side.total_area() / wanted
+        wanted_side = sum(targets[b] for b in leaves)
+        if wanted_side > 0:
+            factor = side.total_area() / wanted_side
             for b in leaves:
                 scaled[b] = targets[b] * factor
-    return (_split(sides[0], left, caps, scaled, config, node_slack)
-            + _split(sides[1], right, caps, scaled, config, node_slack))
+    members = (_split(sides[0], left, caps, scaled, config, node_slack, memo)
+               + _split(sides[1], right, caps, scaled, config, node_slack, memo))
+    if memo is not None and not between_nodes:
+        memo[key] = (items, wanted, members)
+    return members
+
+
+def _same_items(a: _Items, b: _Items) -> bool:
+    """Whether two groups of items are the same items in the same order (ranges of cut documents included)."""
+    if a is b:
+        return True
+    if len(a) != len(b) or not all(np.array_equal(getattr(a, f), getattr(b, f)) for f in ("doc", "length", "area")):
+        return False
+    keys = set(a.pieces) | set(b.pieces)
+    present = a.doc[_among(a.doc, keys)].tolist() if keys else []
+    return all(a.pieces.get(d) == b.pieces.get(d) for d in present)
 
 
 def _leaves(groups: object) -> List[int]:
@@ -1038,9 +1061,9 @@ def sequence_aware_table(doc_lengths: Sequence[int], *, ring_size: int, ulysses_
     # Planned with the widest slack first; kept when every member's attention is within the target of its own
     # (equal targets without padding: the attention imbalance), else planned again with the next slack (when
     # none meets it, the one closest to it is kept).
-    best = None
+    best, memo = None, {}
     for slack in _node_slacks(config, len(nodes), min(ring_members_per_node, ring_size)):
-        members = _split(docs, nodes, caps, targets, config, slack)
+        members = _split(docs, nodes, caps, targets, config, slack, memo)
         worst = max((items.total_area() / t for items, t in zip(members, targets) if t > 0), default=1.0)
         if best is None or worst < best[0]:
             best = (worst, members)
