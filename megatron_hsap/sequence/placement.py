@@ -388,7 +388,15 @@ class _Bisection:
         self.cut: set = set()  # documents cut here: the only ones of which a side can hold several pieces
         # A side may end this far from its target (``slack``: a fraction of the smaller side's target, default
         # ``config.slack``): documents are not cut for a smaller gain.
-        self.slack = (config.slack if slack is None else slack) * min(targets) + 1e-5 * (sum(targets) + 1.0)
+        self._slack = (config.slack if slack is None else slack) * min(targets) + 1e-5 * (sum(targets) + 1.0)
+        self.slack_read = False
+
+    @property
+    def slack(self) -> float:
+        """How far a side may end from its target (pairs); reading it marks the bisection as depending on it
+        (``slack_read``: a bisection that never read it splits its items the same way under any slack)."""
+        self.slack_read = True
+        return self._slack
 
     def feasible(self, side: int, i: int, tokens: int, area: float) -> bool:
         """Whether ``side`` can still meet its target after taking (tokens, area), filled from ``items[i:]``."""
@@ -827,15 +835,18 @@ def _exhaustive_bisection(items: List[_Item], rooms: Tuple[int, int], targets: T
 
 def _bisect_items(items: Union[_Items, Sequence[_Item]], rooms: Tuple[int, int], targets: Tuple[float, float],
                   between_nodes: bool, config: PlacementConfig = PlacementConfig(),
-                  slack: Optional[float] = None) -> List[_Items]:
+                  slack: Optional[float] = None, states: Optional[list] = None) -> List[_Items]:
     """Split ``items`` into two sides of exactly ``rooms`` tokens whose areas approach ``targets``.
     ``between_nodes``: the sides are groups of nodes, so short documents are not cut (inter-node traffic).
-    ``slack``: how far (a fraction of the smaller target) a side may miss its target; default ``config.slack``."""
+    ``slack``: how far (a fraction of the smaller target) a side may miss its target; default ``config.slack``.
+    ``states``: where given, the bisection's ``_Bisection`` is appended to it (whether it read its slack)."""
     items = _as_items(items)
     if rooms[0] == 0 or rooms[1] == 0:
         empty = items.take(np.zeros(0, dtype=np.int64))
         return [items, empty] if rooms[1] == 0 else [empty, items]
     state = _Bisection(items, rooms, targets, config, between_nodes, slack)
+    if states is not None:
+        states.append(state)
     if between_nodes and len(items) <= config.exhaustive:
         found = _exhaustive_bisection(items.items(), rooms, targets, state.slack, config.visits)
         if found is not None:
@@ -860,6 +871,8 @@ def _bisect_items(items: Union[_Items, Sequence[_Item]], rooms: Tuple[int, int],
         return sides
     # The documents on both sides: only ones cut here can be.
     cut = sorted({it.doc for it in placed[0][3].values()} & {it.doc for it in placed[1][3].values()})
+    if len(cut) < 2 or len(cut) > config.reopened - 2:  # a single cut: a few rows to save (~100 on the buckets)
+        return sides
     return _reopened(items, sides, cut, rooms, targets, state.slack, config)
 
 
@@ -886,9 +899,7 @@ def _reopened(items: _Items, sides: List[_Items], cut: List[int], rooms: Tuple[i
     cuts in one bisection of two nodes, where one would do); the short items give the search the token counts
     and areas to fill the rooms exactly around a single cut. After a single greedy cut the search saved little of
     the rows it saves after several, at most of its time (tools/plan_report.py measures both). ``cut``: the
-    documents on both sides."""
-    if len(cut) < 2 or len(cut) > config.reopened - 2:  # a single cut: a few rows to save (~100 on the buckets)
-        return sides
+    documents on both sides (at least 2, at most ``config.reopened - 2``)."""
     wanted = config.reopened - len(cut)
     # Per side, its uncut items by increasing length (ties in the side's order): the first `wanted` can be moved.
     shortest = []
@@ -935,38 +946,39 @@ def _split(items: Union[_Items, Sequence[_Item]], groups: list, caps: Sequence[i
     is shared by all the bins below it instead of landing on the last bin split (a node slightly over its
     target made one of its members several times as far over).
 
-    ``memo``: the results inside nodes of earlier passes of the same placement (``sequence_aware_table`` plans
-    again with less slack between nodes), by group of bins. Inside a node nothing reads ``node_slack``, so a group
-    given the same items and targets as before gets the same members: they are reused instead of planned again."""
+    ``memo``: the bisections of earlier passes of the same placement (``sequence_aware_table`` plans again with
+    less slack between nodes), by group. A bisection given the same items and targets as before, and the same
+    slack or one it never read (nothing inside a node reads ``node_slack``), splits them the same way: its sides
+    are reused instead of planned again, and the groups below it then find theirs too."""
     items = _as_items(items)
     if isinstance(groups, int):
         return [items]
     if len(groups) == 1:
         return _split(items, groups[0], caps, targets, config, node_slack, memo)
-    between_nodes = not isinstance(groups[0], int)
-    if memo is not None and not between_nodes:
-        key, wanted = tuple(groups), tuple(targets[b] for b in groups)
-        seen = memo.get(key)
-        if seen is not None and seen[1] == wanted and _same_items(seen[0], items):
-            return seen[2]
     half = len(groups) // 2
     left, right = groups[:half], groups[half:]
     lb, rb = _leaves(left), _leaves(right)
-    sides = _bisect_items(items, (sum(caps[b] for b in lb), sum(caps[b] for b in rb)),
-                          (sum(targets[b] for b in lb), sum(targets[b] for b in rb)), between_nodes, config,
-                          node_slack if between_nodes else config.slack)
+    between_nodes = not isinstance(groups[0], int)
+    rooms = (sum(caps[b] for b in lb), sum(caps[b] for b in rb))
+    wanted = (sum(targets[b] for b in lb), sum(targets[b] for b in rb))
+    slack = node_slack if between_nodes else config.slack
+    key = (tuple(lb), tuple(rb))
+    seen = memo.get(key) if memo is not None else None
+    if seen is not None and seen[1] == wanted and (seen[2] == slack or not seen[3]) and _same_items(seen[0], items):
+        sides = seen[4]
+    else:
+        states: list = []
+        sides = _bisect_items(items, rooms, wanted, between_nodes, config, slack, states)
+        if memo is not None:
+            memo[key] = (items, wanted, slack, any(state.slack_read for state in states), sides)
     scaled = list(targets)
-    for side, leaves in zip(sides, (lb, rb)):
-        wanted_side = sum(targets[b] for b in leaves)
-        if wanted_side > 0:
-            factor = side.total_area() / wanted_side
+    for side, leaves, side_target in zip(sides, (lb, rb), wanted):
+        if side_target > 0:
+            factor = side.total_area() / side_target
             for b in leaves:
                 scaled[b] = targets[b] * factor
-    members = (_split(sides[0], left, caps, scaled, config, node_slack, memo)
-               + _split(sides[1], right, caps, scaled, config, node_slack, memo))
-    if memo is not None and not between_nodes:
-        memo[key] = (items, wanted, members)
-    return members
+    return (_split(sides[0], left, caps, scaled, config, node_slack, memo)
+            + _split(sides[1], right, caps, scaled, config, node_slack, memo))
 
 
 def _same_items(a: _Items, b: _Items) -> bool:
