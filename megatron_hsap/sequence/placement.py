@@ -398,14 +398,6 @@ class _Bisection:
         self.slack_read = True
         return self._slack
 
-    def feasible(self, side: int, i: int, tokens: int, area: float) -> bool:
-        """Whether ``side`` can still meet its target after taking (tokens, area), filled from ``items[i:]``."""
-        pool, r = self.pool, self.room[side] - tokens
-        if r < 0 or r > pool.size(i):
-            return False
-        need = self.missing[side] - area
-        return pool.least(i, r) - self.slack <= need <= pool.most(i, r) + self.slack
-
     def put(self, side: int, entries: Sequence[_Entry]) -> None:
         """Give ``entries`` (in order: a side's float bookkeeping is the same however its items are batched)."""
         out, room, missing = self.out[side], self.room[side], self.missing[side]
@@ -427,24 +419,47 @@ class _Bisection:
                 missing -= int(items.area[e])
         self.room[side], self.missing[side] = room, missing
 
-    def place_heavy(self, i: int, short: int) -> bool:
-        """Place heavy item ``i`` whole or cut; False (nothing placed) when it would be cut but has at most
-        ``short`` tokens: such items are left to the light phase, which fills rooms without cutting."""
-        pool = self.pool
-        length, area = pool.lengths[i], pool.item_areas[i]
-        if not pool.listed:
-            length, area = int(length), int(area)
-        # The densest item left goes to the side whose remaining room needs the denser filling, if it can.
-        (m0, m1), (r0, r1) = self.missing, self.room
-        for side in ((0, 1) if (m0 / r0 if r0 else 0.0) >= (m1 / r1 if r1 else 0.0) else (1, 0)):
-            if self.feasible(side, i + 1, length, area):
-                self.out[side].append(i)  # the first pool's positions are the sorted items' indices
-                self.room[side] -= length
-                self.missing[side] -= area
-                return True
-        if length <= short:
-            return False
-        item = pool.item(i)
+    def place_heavy(self, end: int, short: int) -> List[int]:
+        """Place heavy items ``0 .. end - 1`` in turn, each whole or cut; returns the ones left to the light phase
+        (which fills rooms without cutting): those that would be cut but have at most ``short`` tokens.
+
+        The densest item left goes to the side whose remaining room needs the denser filling if that side stays
+        *feasible* after it: the side's missing area within the slack of the least and the most area the items
+        after it can give its remaining room (``_Pool.least`` / ``_Pool.most``); else to the other side if that
+        one stays feasible; else it is cut (``_cut_heavy``). The test is written out in the loop, one Python
+        call per item instead of a dozen: batches of short documents have tens of thousands of heavy items."""
+        pool, room, missing, out = self.pool, self.room, self.missing, self.out
+        lengths, item_areas, tokens, areas, upto = pool.lengths, pool.item_areas, pool.tokens, pool.areas, pool._area_upto
+        last_tokens, last_area = tokens[-1], areas[-1]
+        slack = self.slack if end else 0.0
+        deferred = []
+        for i in range(end):
+            length, area = lengths[i], item_areas[i]
+            if not pool.listed:
+                length, area = int(length), int(area)
+            (m0, m1), (r0, r1) = missing, room
+            for side in ((0, 1) if (m0 / r0 if r0 else 0.0) >= (m1 / r1 if r1 else 0.0) else (1, 0)):
+                r = room[side] - length  # the side's room after the item, filled from items i + 1 ..
+                if r < 0 or r > last_tokens - tokens[i + 1]:
+                    continue
+                need = missing[side] - area
+                # pool.least(i + 1, r) - slack <= need <= pool.most(i + 1, r) + slack
+                if last_area - upto(last_tokens - r) - slack <= need <= upto(tokens[i + 1] + r) - areas[i + 1] + slack:
+                    out[side].append(i)  # the first pool's positions are the sorted items' indices
+                    room[side] -= length
+                    missing[side] -= area
+                    break
+            else:
+                if length <= short:
+                    deferred.append(i)
+                else:
+                    self._cut_heavy(i)
+        return deferred
+
+    def _cut_heavy(self, i: int) -> None:
+        """Cut heavy item ``i``, which fits neither side whole: one side takes the piece that moves the fewest
+        rows (``_cheapest_cut``), the other the rest."""
+        item = self.pool.item(i)
         best = None
         for holder in (0, 1):  # the side that will not hold the item's last token
             cut = self._cheapest_cut(holder, i + 1, item, best[0] if best and self.rounds == 1 else None)
@@ -459,7 +474,6 @@ class _Bisection:
         self.cut.add(item.doc)
         self.put(holder, (item.sub(p, p + tau),))
         self.put(1 - holder, (item.sub(0, p), item.sub(p + tau, item.length)))
-        return True
 
     def _cheapest_cut(self, holder: int, i: int, item: _Item, beat: Optional[int]) -> Optional[Tuple[int, int]]:
         """Cut of ``item`` giving ``holder`` a piece ``[p, p + tau)`` and the other side the rest (with the last
@@ -859,7 +873,7 @@ def _bisect_items(items: Union[_Items, Sequence[_Item]], rooms: Tuple[int, int],
     if end > 64 or len(pool) <= 4096:  # many scalar reads, or few items: Python lists are faster
         pool.as_lists()
     short = max(int(config.short * min(rooms)), config.short_tokens) if between_nodes else 0
-    deferred = [k for k in range(end) if not state.place_heavy(k, short)]
+    deferred = state.place_heavy(end, short)
     if deferred:  # one light pool in density order again (the deferred items come before the rest in it)
         state.pool = _Pool(state.items, np.concatenate([np.array(deferred, dtype=np.int64), pool.sel[end:]]))
         end = 0
