@@ -1096,22 +1096,28 @@ def sequence_aware_table(doc_lengths: Sequence[int], *, ring_size: int, ulysses_
         if worst <= config.attention_target:
             break
     members = best[1]
-    # Each member's stream: its documents in index order (one item each), each item's ranges in order.
-    streams = []
-    for m, items in enumerate(members):
-        order = np.argsort(items.doc)
-        doc, start, end = items.doc[order], np.zeros(len(items), dtype=np.int64), items.length[order]
-        at = np.flatnonzero(_among(doc, items.pieces)) if items.pieces else ()
-        if len(at):  # an item cut above: a row per range
-            ranges = [items.pieces[d] for d in doc[at].tolist()]
-            count = np.ones(len(doc), dtype=np.int64)
-            count[at] = [len(r) for r in ranges]
-            first = np.cumsum(count) - count
-            doc, start, end = np.repeat(doc, count), np.repeat(start, count), np.repeat(end, count)
-            rows = np.concatenate([np.arange(f, f + len(r)) for f, r in zip(first[at].tolist(), ranges)])
-            start[rows], end[rows] = np.array([r for rs in ranges for r in rs], dtype=np.int64).T
-        streams.append((np.full(len(doc), m), doc, start, end))
-    member, doc, start, end = (np.concatenate(a) for a in zip(*streams))
+    # Each member's stream: its documents in index order (one item each), each item's ranges in order; all members'
+    # items as one array (a member's documents are distinct: the order is unique).
+    member = np.repeat(np.arange(len(members)), [len(items) for items in members])
+    doc, length = (np.concatenate([getattr(items, f) for items in members]) for f in ("doc", "length"))
+    ranges = {}  # row in `doc` -> ranges of an item cut above
+    first = 0
+    for items in members:
+        if items.pieces:
+            for k in np.flatnonzero(_among(items.doc, items.pieces)).tolist():
+                ranges[first + k] = items.pieces[int(items.doc[k])]
+        first += len(items)
+    order = np.lexsort((doc, member))
+    member, doc, start, end = member[order], doc[order], np.zeros(len(doc), dtype=np.int64), length[order]
+    if ranges:  # a row per range
+        at = np.flatnonzero(np.isin(order, list(ranges)))
+        cut = [ranges[k] for k in order[at].tolist()]
+        count = np.ones(len(doc), dtype=np.int64)
+        count[at] = [len(r) for r in cut]
+        first_row = np.cumsum(count) - count
+        member, doc, start, end = (np.repeat(a, count) for a in (member, doc, start, end))
+        rows = np.concatenate([np.arange(f, f + len(r)) for f, r in zip(first_row[at].tolist(), cut)])
+        start[rows], end[rows] = np.array([r for rs in cut for r in rs], dtype=np.int64).T
     return split_streams(member, doc, start, end, ulysses_size, tokens_per_rank)
 
 
