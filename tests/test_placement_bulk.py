@@ -245,7 +245,12 @@ def _digest(lengths: Sequence[int], topology: Tuple[int, int, int], config, into
     return into.hexdigest()[:16]
 
 
-def test_plans_are_those_of_the_per_item_planner() -> None:
+@pytest.mark.parametrize("listed", [None, 0, 1 << 30])
+def test_plans_are_those_of_the_per_item_planner(listed, monkeypatch) -> None:
+    """``listed``: the largest side assembled as Python lists (``placement._LISTED``; None: the default, both
+    ways in one plan; 0: every side as arrays; 2**30: every side as lists)."""
+    if listed is not None:
+        monkeypatch.setattr(placement_module, "_LISTED", listed)
     digests = {name: _digest(lengths, topology, config) for name, lengths, topology, config in _cases()}
     knobs = hashlib.sha256()
     for lengths, topology, config in _knob_cases():

@@ -356,6 +356,11 @@ def _steps(window: float, slope: int, area: float) -> int:
     return step - 1 if step > 1 and window + slope * (step - 1) >= area else step + int(window + slope * step < area)
 
 
+#: A column of a side's items (``_Bisection.sides``): int64 array, or a Python list for a side of few items.
+_Column = Union[np.ndarray, List[int]]
+#: Sides of at most this many items are assembled as Python lists (a speed threshold: the plans are the same).
+_LISTED = 64
+
 #: What a side receives, in order: an index (into the bisection's sorted items) or an index array of items placed
 #: whole, or a piece cut here.
 _Entry = Union[int, np.ndarray, _Item]
@@ -386,6 +391,7 @@ class _Bisection:
         self.missing = [float(t) for t in targets]
         self.out: List[List[_Entry]] = [[], []]
         self.cut: set = set()  # documents cut here: the only ones of which a side can hold several pieces
+        self._columns: Optional[Tuple[List[int], List[int], List[int]]] = None  # the items' columns as lists (sides)
         # A side may end this far from its target (``slack``: a fraction of the smaller side's target, default
         # ``config.slack``): documents are not cut for a smaller gain.
         self._slack = (config.slack if slack is None else slack) * min(targets) + 1e-5 * (sum(targets) + 1.0)
@@ -590,11 +596,21 @@ class _Bisection:
         self.put(0, entries[0])
         self.put(1, entries[1])
 
-    def sides(self) -> List[Tuple[np.ndarray, np.ndarray, np.ndarray, Dict[int, _Item]]]:
-        """Per side, what it received in order: doc / length / area int64 arrays and the pieces cut here by
-        position."""
+    def sides(self, lists: bool = True) -> List[Tuple[_Column, _Column, _Column, Dict[int, _Item]]]:
+        """Per side, what it received in order: doc / length / area columns and the pieces cut here by position.
+        A side of at most ``_LISTED`` items gets Python lists when ``lists`` (the steps after it, ``mend_cuts`` and
+        ``merged``, then read it without numpy calls: a pure ring's bisections inside nodes are many and small);
+        else int64 arrays."""
         items, out = self.items, []
         for entries in self.out:
+            if lists and sum(len(e) if isinstance(e, np.ndarray) else 1 for e in entries) <= _LISTED:
+                if self._columns is None:
+                    self._columns = (items.doc.tolist(), items.length.tolist(), items.area.tolist())
+                entries = [k for e in entries for k in (e.tolist() if isinstance(e, np.ndarray) else (e,))]
+                out.append(tuple([getattr(e, f) if isinstance(e, _Item) else column[e] for e in entries]
+                                 for f, column in zip(("doc", "length", "area"), self._columns))
+                           + ({k: e for k, e in enumerate(entries) if isinstance(e, _Item)},))
+                continue
             chunks, run, pieces = [], [], {}
             size = 0
             for e in entries:
@@ -620,7 +636,7 @@ class _Bisection:
             out.append((doc, length, area, pieces))
         return out
 
-    def mend_cuts(self, sides: List[Tuple[np.ndarray, np.ndarray, np.ndarray, Dict[int, _Item]]]) -> None:
+    def mend_cuts(self, sides: List[Tuple[_Column, _Column, _Column, Dict[int, _Item]]]) -> None:
         """Undo cuts that only filled rooms: a document on both sides whose piece on one side is as long as a
         whole, uncut item on the other is reunited by swapping the two, when the areas stay within the slack.
         ``sides``: ``self.sides()``, changed in place."""
@@ -641,8 +657,13 @@ class _Bisection:
         by_length: List[dict] = [{}, {}]
         for side, places, lists in zip(sides, where, by_length):
             pieces = {k for ks in places.values() for k in ks}
-            at = np.flatnonzero(_among(side[1], lengths))
-            for k, length in zip(at.tolist(), side[1][at].tolist()):
+            if isinstance(side[1], list):
+                wanted = set(lengths)
+                at = [(k, length) for k, length in enumerate(side[1]) if length in wanted]
+            else:
+                at = np.flatnonzero(_among(side[1], lengths))
+                at = zip(at.tolist(), side[1][at].tolist())
+            for k, length in at:
                 if k not in pieces:
                     lists.setdefault(length, []).append(k)
 
@@ -677,17 +698,13 @@ class _Bisection:
                 self.missing[1 - home] += delta
                 break
 
-    def merged(self, side: Tuple[np.ndarray, np.ndarray, np.ndarray, Dict[int, _Item]]) -> _Items:
+    def merged(self, side: Tuple[_Column, _Column, _Column, Dict[int, _Item]]) -> _Items:
         """One item per document (what a pool holds): the uncut items in order, then the pieces of each
         document cut here (the only documents a side can hold several pieces of) as one item, adjacent ranges
         merged (few, contiguous segments)."""
         doc, length, area, pieces = side
         inherited = self.items.pieces
         kept = {d: r for d, r in inherited.items() if d not in self.cut} if self.cut else inherited
-        if not pieces:
-            return _Items(doc, length, area, kept)
-        uncut = np.ones(len(doc), dtype=bool)
-        uncut[list(pieces)] = False
         by_doc: dict = {}
         for k in sorted(pieces):
             by_doc.setdefault(pieces[k].doc, []).append(pieces[k])
@@ -703,9 +720,17 @@ class _Bisection:
                 else:
                     ranges.append([s, e])
             merged.append(_Item(d, tuple((s, e) for s, e in ranges)))
-        return _Items(*(np.concatenate([values[uncut], [getattr(it, f) for it in merged]])
-                        for values, f in ((doc, "doc"), (length, "length"), (area, "area"))),
-                      {**kept, **{it.doc: it.ranges for it in merged if not it.simple}})
+        columns = ((doc, "doc"), (length, "length"), (area, "area"))
+        if isinstance(doc, list):  # (``sides``: a side of items placed one by one)
+            arrays = [np.array([v for k, v in enumerate(values) if k not in pieces] + [getattr(it, f) for it in merged],
+                               dtype=np.int64) for values, f in columns]
+        elif pieces:
+            uncut = np.ones(len(doc), dtype=bool)
+            uncut[list(pieces)] = False
+            arrays = [np.concatenate([values[uncut], [getattr(it, f) for it in merged]]) for values, f in columns]
+        else:
+            return _Items(doc, length, area, kept)
+        return _Items(*arrays, {**kept, **{it.doc: it.ranges for it in merged if not it.simple}} if merged else kept)
 
 
 def _close_gap(lengths: np.ndarray, taken: np.ndarray, i: int, gap: int) -> int:
