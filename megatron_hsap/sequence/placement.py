@@ -435,7 +435,8 @@ class _Bisection:
         one stays feasible; else it is cut (``_cut_heavy``). The test is written out in the loop, one Python
         call per item instead of a dozen: batches of short documents have tens of thousands of heavy items."""
         pool, room, missing, out = self.pool, self.room, self.missing, self.out
-        lengths, item_areas, tokens, areas, upto = pool.lengths, pool.item_areas, pool.tokens, pool.areas, pool._area_upto
+        lengths, item_areas, upto = pool.lengths, pool.item_areas, pool._area_upto
+        tokens, areas = pool.tokens, pool.areas
         last_tokens, last_area = tokens[-1], areas[-1]
         slack = self.slack if end else 0.0
         deferred = []
