@@ -152,7 +152,12 @@ def _received(state: "placement_module._Bisection", doc_index: dict) -> List[lis
     return out
 
 
-def test_light_items_are_dealt_as_the_per_item_rules_deal_them() -> None:
+@pytest.mark.parametrize("listed", [None, 0, 1 << 30])
+def test_light_items_are_dealt_as_the_per_item_rules_deal_them(listed, monkeypatch) -> None:
+    """``listed``: the most items dealt with Python lists (``placement._LISTED``; None: the default, 0: numpy
+    always, 2**30: lists always)."""
+    if listed is not None:
+        monkeypatch.setattr(placement_module, "_LISTED", listed)
     rng = random.Random(7)
     fired = set()
     for case in range(250):
@@ -247,8 +252,8 @@ def _digest(lengths: Sequence[int], topology: Tuple[int, int, int], config, into
 
 @pytest.mark.parametrize("listed", [None, 0, 1 << 30])
 def test_plans_are_those_of_the_per_item_planner(listed, monkeypatch) -> None:
-    """``listed``: the largest side assembled as Python lists (``placement._LISTED``; None: the default, both
-    ways in one plan; 0: every side as arrays; 2**30: every side as lists)."""
+    """``listed``: the most items a side is assembled from, and light items dealt, with Python lists
+    (``placement._LISTED``; None: the default, both ways in one plan; 0: numpy always; 2**30: lists always)."""
     if listed is not None:
         monkeypatch.setattr(placement_module, "_LISTED", listed)
     digests = {name: _digest(lengths, topology, config) for name, lengths, topology, config in _cases()}

@@ -526,18 +526,22 @@ class _Bisection:
 
     def place_light(self, i: int) -> None:
         """Deal ``items[i:]``: the left side takes a run of whole items matching its missing area (step 4), with
-        numpy ops over the run (a batch's short documents are many)."""
+        numpy ops over the run (a batch's short documents are many), or, for at most ``_LISTED`` items, Python
+        lists (a small bisection's numpy calls would cost more than the rest of it; the same rules and results)."""
         pool, room = self.pool, self.room[0]
         n = len(pool)
-        sel = pool.sel
+        listed = n - i <= _LISTED
+        if listed and not pool.listed:
+            pool.as_lists()
+        sel = pool.sel.tolist() if listed else pool.sel
         if room == 0 or i == n:
-            self.put(1, (sel[i:],))
+            self.put(1, sel[i:] if listed else (sel[i:],))
             return
         if room >= pool.size(i):
-            self.put(0, (sel[i:],))
+            self.put(0, sel[i:] if listed else (sel[i:],))
             return
-        lengths, tokens = pool.length_array, pool.tokens
-        taken = np.zeros(n, dtype=bool)
+        lengths, tokens = pool.lengths if listed else pool.length_array, pool.tokens
+        taken = [False] * n if listed else np.zeros(n, dtype=bool)
         # The shortest items (2 % of the tokens) are shared in proportion to the rooms: both sides keep short
         # documents for filling their bins exactly at the next level. They are the longest suffix within the
         # share (suffix token counts fall with the start; an int is within a float iff within its floor),
@@ -547,7 +551,7 @@ class _Bisection:
         shares0 = shares1 = 0
         room1 = self.room[1]
         tiny_taken = []
-        for length in reversed(lengths[t:].tolist()):
+        for length in reversed(lengths[t:] if listed else lengths[t:].tolist()):
             if shares0 * room1 <= shares1 * room and shares0 + length <= room:
                 shares0 += length
                 tiny_taken.append(True)
@@ -556,7 +560,10 @@ class _Bisection:
                 tiny_taken.append(False)
         taken[t:] = tiny_taken[::-1]
         gap = room - shares0
-        target = self.missing[0] - int(pool.item_area_array[t:][taken[t:]].sum())
+        if listed:
+            target = self.missing[0] - sum(a for a, k in zip(pool.item_areas[t:], tiny_taken[::-1]) if k)
+        else:
+            target = self.missing[0] - int(pool.item_area_array[t:][taken[t:]].sum())
         # Start of the run over items[i:t]: the window of `gap` tokens starting at item j has an area decreasing in j.
         last = pool.search(int(tokens[t]) - gap, "right") - 1  # latest start with `gap` tokens before t
         last = max(i, min(last, t - 1))
@@ -572,30 +579,31 @@ class _Bisection:
         j = lo if abs(window(lo) - target) <= abs(window(hi) - target) else hi
         # The run: items j, j + 1, ... while each fits the gap left, i.e. while the run's tokens stay within it.
         k = min(t, pool.search(int(tokens[j]) + gap, "right") - 1)
-        taken[j:k] = True
+        taken[j:k] = [True] * (k - j) if listed else True
         gap -= int(tokens[k]) - int(tokens[j])
         if gap:  # close the gap with the longest items left that fit (the run may have used the shortest)
             gap = _close_gap(lengths, taken, i, gap)
         if gap:  # or exchange items: one or two untaken ones in, one or two taken ones out, `gap` tokens more
-            limit = self.config.exchange
-            inside, outside = np.flatnonzero(taken[i:]) + i, np.flatnonzero(~taken[i:]) + i
-            # The shortest `limit` of each, in (length, index) order.
-            inside = inside[np.argsort(lengths[inside], kind="stable")[:limit]].tolist()
-            outside = outside[np.argsort(lengths[outside], kind="stable")[:limit]].tolist()
+            inside, outside = (_shortest_of(lengths, taken, i, flag, self.config.exchange) for flag in (True, False))
             gap = _exchange(inside, outside, {m: int(lengths[m]) for m in inside + outside}, taken, gap)
-        entries: List[List[_Entry]] = [[], []]
+        cut = None
         if gap:  # no combination fits: cut the shortest item left that is longer than the gap
-            cut = int(np.flatnonzero(~taken[i:] & (lengths[i:] > gap))[-1]) + i
+            if listed:
+                cut = max(m for m in range(i, n) if not taken[m] and lengths[m] > gap)
+            else:
+                cut = int(np.flatnonzero(~taken[i:] & (lengths[i:] > gap))[-1]) + i
             it = pool.item(cut)
             self.cut.add(it.doc)
-            for side, piece in ((0, it.sub(it.length - gap, it.length)), (1, it.sub(0, it.length - gap))):
-                before, after = np.arange(i, cut), np.arange(cut + 1, n)
-                keep = taken if side == 0 else ~taken
-                entries[side] = [sel[before[keep[i:cut]]], piece, sel[after[keep[cut + 1:]]]]
-        else:
-            entries = [[sel[i:][taken[i:]]], [sel[i:][~taken[i:]]]]
-        self.put(0, entries[0])
-        self.put(1, entries[1])
+            pieces = (it.sub(it.length - gap, it.length), it.sub(0, it.length - gap))
+        for side in (0, 1):
+            keep = side == 0  # the items of `side`: those taken (left) or not (right), in order, the piece in place
+            if listed:
+                entries = [sel[m] if m != cut else pieces[side] for m in range(i, n) if taken[m] == keep or m == cut]
+            elif cut is None:
+                entries = [sel[i:][taken[i:] == keep]]
+            else:
+                entries = [sel[i:cut][taken[i:cut] == keep], pieces[side], sel[cut + 1:][taken[cut + 1:] == keep]]
+            self.put(side, entries)
 
     def sides(self, lists: bool = True) -> List[Tuple[_Column, _Column, _Column, Dict[int, _Item]]]:
         """Per side, what it received in order: doc / length / area columns and the pieces cut here by position.
@@ -734,21 +742,41 @@ class _Bisection:
         return _Items(*arrays, {**kept, **{it.doc: it.ranges for it in merged if not it.simple}} if merged else kept)
 
 
-def _close_gap(lengths: np.ndarray, taken: np.ndarray, i: int, gap: int) -> int:
+def _close_gap(lengths: Union[np.ndarray, List[int]], taken: Union[np.ndarray, List[bool]], i: int, gap: int) -> int:
     """Take untaken items of ``i:`` (``taken`` updated) into a ``gap`` of tokens: the longest that fit first, by
-    decreasing length, then increasing index; of equal ones, as many as fit. Returns the gap left."""
-    fits = np.flatnonzero(~taken[i:] & (lengths[i:] <= gap)) + i
-    fits = fits[np.argsort(-lengths[fits], kind="stable")]
-    values = lengths[fits]
-    starts = np.flatnonzero(np.diff(values, prepend=-1)).tolist() + [len(fits)]
+    decreasing length, then increasing index; of equal ones, as many as fit. Returns the gap left. Arrays, or
+    Python lists for few items (``place_light``)."""
+    if isinstance(taken, list):
+        fits = [m for m in range(i, len(taken)) if not taken[m] and lengths[m] <= gap]
+        fits.sort(key=lambda m: -lengths[m])  # stable: ties by index
+        values = [lengths[m] for m in fits]
+        starts = [a for a in range(len(fits)) if a == 0 or values[a] != values[a - 1]] + [len(fits)]
+    else:
+        fits = np.flatnonzero(~taken[i:] & (lengths[i:] <= gap)) + i
+        fits = fits[np.argsort(-lengths[fits], kind="stable")]
+        values = lengths[fits]
+        starts = np.flatnonzero(np.diff(values, prepend=-1)).tolist() + [len(fits)]
     for a, b in zip(starts[:-1], starts[1:]):
         value = int(values[a])
         count = min(b - a, gap // value)
-        taken[fits[a:a + count]] = True
+        if isinstance(taken, list):
+            for m in fits[a:a + count]:
+                taken[m] = True
+        else:
+            taken[fits[a:a + count]] = True
         gap -= count * value
         if gap == 0:
             break
     return gap
+
+
+def _shortest_of(lengths: Union[np.ndarray, List[int]], taken: Union[np.ndarray, List[bool]], i: int, flag: bool,
+                 count: int) -> List[int]:
+    """The ``count`` shortest items of ``i:`` whose ``taken`` is ``flag``, in (length, index) order."""
+    if isinstance(taken, list):
+        return sorted((m for m in range(i, len(taken)) if taken[m] == flag), key=lambda m: lengths[m])[:count]
+    at = np.flatnonzero(taken[i:] == flag) + i
+    return at[np.argsort(lengths[at], kind="stable")[:count]].tolist()
 
 
 def _exchange(inside: List[int], outside: List[int], lengths: Dict[int, int], taken: np.ndarray, gap: int) -> int:
