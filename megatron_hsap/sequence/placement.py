@@ -358,7 +358,9 @@ def _steps(window: float, slope: int, area: float) -> int:
 
 #: A column of a side's items (``_Bisection.sides``): int64 array, or a Python list for a side of few items.
 _Column = Union[np.ndarray, List[int]]
-#: Sides of at most this many items are assembled as Python lists (a speed threshold: the plans are the same).
+#: Light items of a pool of at most this many, and a side of at most this many items, are dealt and assembled with
+#: Python lists instead of numpy calls (``_Bisection.place_light``, ``sides``): a speed threshold, the plans are the
+#: same (tests/test_placement_bulk.py checks both ways).
 _LISTED = 64
 
 #: What a side receives, in order: an index (into the bisection's sorted items) or an index array of items placed
@@ -605,14 +607,14 @@ class _Bisection:
                 entries = [sel[i:cut][taken[i:cut] == keep], pieces[side], sel[cut + 1:][taken[cut + 1:] == keep]]
             self.put(side, entries)
 
-    def sides(self, lists: bool = True) -> List[Tuple[_Column, _Column, _Column, Dict[int, _Item]]]:
+    def sides(self) -> List[Tuple[_Column, _Column, _Column, Dict[int, _Item]]]:
         """Per side, what it received in order: doc / length / area columns and the pieces cut here by position.
-        A side of at most ``_LISTED`` items gets Python lists when ``lists`` (the steps after it, ``mend_cuts`` and
-        ``merged``, then read it without numpy calls: a pure ring's bisections inside nodes are many and small);
-        else int64 arrays."""
+        A side of at most ``_LISTED`` items gets Python lists (the steps after it, ``mend_cuts`` and ``merged``,
+        then read it without numpy calls: a pure ring's bisections inside nodes are many and small); a larger one
+        int64 arrays."""
         items, out = self.items, []
         for entries in self.out:
-            if lists and sum(len(e) if isinstance(e, np.ndarray) else 1 for e in entries) <= _LISTED:
+            if sum(len(e) if isinstance(e, np.ndarray) else 1 for e in entries) <= _LISTED:
                 if self._columns is None:
                     self._columns = (items.doc.tolist(), items.length.tolist(), items.area.tolist())
                 entries = [k for e in entries for k in (e.tolist() if isinstance(e, np.ndarray) else (e,))]
@@ -779,7 +781,8 @@ def _shortest_of(lengths: Union[np.ndarray, List[int]], taken: Union[np.ndarray,
     return at[np.argsort(lengths[at], kind="stable")[:count]].tolist()
 
 
-def _exchange(inside: List[int], outside: List[int], lengths: Dict[int, int], taken: np.ndarray, gap: int) -> int:
+def _exchange(inside: List[int], outside: List[int], lengths: Dict[int, int], taken: Union[np.ndarray, List[bool]],
+              gap: int) -> int:
     """Swap the shortest few items so that ``taken`` gains exactly ``gap`` tokens: u - t, u1 + u2 - t or
     u - t1 - t2 = gap (u: items not taken, t: taken; ``inside`` / ``outside``: the shortest taken / untaken items
     in (length, index) order; ``lengths``: theirs). Returns the gap left (0 on success)."""
