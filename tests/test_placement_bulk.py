@@ -336,3 +336,46 @@ def test_same_items_compares_the_ranges_of_cut_documents() -> None:
     assert not placement_module._same_items(a, placement_module._Items(doc, length, area, {5: ((1, 4), (7, 10))}))
     assert not placement_module._same_items(a, placement_module._Items(doc, length, area, {}))
     assert not placement_module._same_items(a, placement_module._Items(doc, length, area + 1, a.pieces))
+
+
+# ---- member streams cut into ranks ---------------------------------------------------------------------------------
+
+def _reference_split(member, doc, start, end, ulysses: int, tokens_per_rank: int) -> list:
+    """``layouts.split_streams`` one segment at a time: each member's segments laid out from its first slot, split
+    where a rank boundary falls inside one."""
+    rows, used = [], {}
+    for m, d, s, e in zip(member, doc, start, end):
+        pos = m * ulysses * tokens_per_rank + used.get(m, 0)
+        used[m] = used.get(m, 0) + e - s
+        while s < e:
+            rank = pos // tokens_per_rank
+            take = min(e - s, (rank + 1) * tokens_per_rank - pos)
+            rows.append([rank, d, s, s + take])
+            s, pos = s + take, pos + take
+    return rows
+
+
+@pytest.mark.parametrize("ulysses", [1, 2, 4])
+def test_split_streams_is_the_per_segment_split(ulysses: int) -> None:
+    """Random member streams, some filling whole ranks exactly (nothing to split: the shortcut) and some not."""
+    from megatron_hsap.sequence.layouts import split_streams
+
+    rng = random.Random(ulysses)
+    for case in range(200):
+        tokens_per_rank = rng.choice([1, 3, 8, 50])
+        members = rng.randint(1, 4)
+        exact = case % 3 == 0  # every segment one rank's worth: no boundary inside a segment
+        rows = []
+        for m in range(members):
+            room = ulysses * tokens_per_rank
+            for _ in range(rng.randint(0, 6)):
+                length = tokens_per_rank if exact else rng.randint(0, room)
+                if length > room:
+                    break
+                s = rng.randint(0, 30)
+                rows.append((m, rng.randint(0, 9), s, s + length))
+                room -= length
+        member, doc, start, end = (np.array([r[k] for r in rows], dtype=np.int64) for k in range(4))
+        got = split_streams(member, doc, start, end, ulysses, tokens_per_rank)
+        expected = _reference_split(*(a.tolist() for a in (member, doc, start, end)), ulysses, tokens_per_rank)
+        assert got.tolist() == expected, (ulysses, case)

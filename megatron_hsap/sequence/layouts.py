@@ -100,9 +100,13 @@ def split_streams(member: np.ndarray, doc: np.ndarray, start: np.ndarray, end: n
     member_tokens = ulysses_size * tokens_per_rank
     if np.any(offset + length > member_tokens):
         raise AssertionError(f"a member stream does not fit {ulysses_size} ranks of {tokens_per_rank} tokens")
+    if ulysses_size == 1:  # a member is one rank: nothing to split
+        return np.stack([member, doc, start, end], axis=1)
     pos = member * member_tokens + offset
     # Rank boundaries falling strictly inside a segment split it.
     first_rank, last_rank = pos // tokens_per_rank, (pos + length - 1) // tokens_per_rank
+    if (first_rank == last_rank).all():
+        return np.stack([first_rank, doc, start, end], axis=1)
     parts = last_rank - first_rank + 1
     row = np.repeat(np.arange(len(doc)), parts)
     rank = np.repeat(first_rank, parts) + (np.arange(len(row)) - np.repeat(np.cumsum(parts) - parts, parts))
