@@ -273,7 +273,7 @@ def _passes(lengths: Sequence[int], nodes: int, per_node: int, config: Placement
     caps = [min(cap, max(0, total - m * cap)) for m in range(members)]
     doc = np.flatnonzero(lengths > 0)
     docs = placement_module._Items(doc, lengths[doc], lengths[doc] * (lengths[doc] + 1) // 2, {})
-    targets = placement_module._attention_targets(caps, docs.total_area(), 1.0, int(lengths.max()))
+    targets = placement_module._attention_targets(caps, docs.total_area(), lengths)
     groups = [list(range(m, m + per_node)) for m in range(0, members, per_node)]
     return docs, groups, caps, targets, placement_module._node_slacks(config, nodes, per_node)
 

@@ -294,25 +294,42 @@ class _Pool:
         return self.areas[-1] - self._area_upto(self.tokens[-1] - r)
 
 
-def _attention_targets(caps: Sequence[int], total_area: int, weight: float, max_density: int) -> List[float]:
-    """Attention area per bin that makes attention + linear cost equal on every bin (water-filling).
+def _attention_targets(caps: Sequence[int], total_area: int, lengths: np.ndarray) -> List[float]:
+    """Attention area per bin: equal on every bin (the attention target is on attention alone), except that a bin
+    never gets more than its ``caps[b]`` tokens can carry (``_densest_area``; a bin of no tokens gets none), the
+    rest being shared equally by the others (water-filling).
 
-    Full bins get equal areas; a bin with tail padding gets more attention in place of the
-    linear work of its missing tokens, but never more than ``max_density`` pairs per token.
-    Bins of equal capacity get equal areas, so the level is found over the (at most three) distinct ones.
+    A padded bin thus holds the same attention as a full one on fewer tokens: denser, i.e. longer, documents or
+    pieces. Tail padding is less than one token per CP rank, so the linear work it saves is not given back as
+    attention (which would break the attention target; docs/sequence_aware.md, "Cost model").
     """
-    counts = Counter(caps)
+    bins = len(caps)
+    if min(caps, default=0) == max(caps, default=0):  # nothing padded: one equal share each
+        return [total_area / bins if caps[0] > 0 else 0.0] * bins
+    reach = {c: _densest_area(lengths, c) for c in set(caps)}
+    targets = [0.0] * bins
+    left, open_bins = float(total_area), bins
+    for b in sorted(range(bins), key=lambda b: reach[caps[b]]):  # the least reach first: bound, or all equal
+        targets[b] = min(reach[caps[b]], left / open_bins)
+        left, open_bins = left - targets[b], open_bins - 1
+    return targets
 
-    def fill(level: float, c: int) -> float:
-        return min(max(level - weight * c, 0.0), float(max_density * c))
 
-    lo, hi = 0.0, float(total_area) + weight * max(caps)
-    for _ in range(100):
-        mid = (lo + hi) / 2
-        if mid in (lo, hi):  # adjacent floats: every later step keeps hi (the result); at most lo moves onto it
-            break
-        lo, hi = (mid, hi) if sum(k * fill(mid, c) for c, k in counts.items()) < total_area else (lo, mid)
-    return [fill(hi, c) for c in caps]
+def _densest_area(lengths: np.ndarray, tokens: int) -> float:
+    """The most attention area ``tokens`` tokens of the batch can hold: the sum of its ``tokens`` largest token
+    densities (a token at position ``p`` of a document attends to ``p + 1`` keys), i.e. the tail pieces of the
+    longest documents. An upper bound for any placement, reached by cutting those pieces off."""
+    if tokens <= 0:
+        return 0.0
+    at_least = np.cumsum(np.bincount(lengths)[::-1])[::-1][1:]  # [v - 1]: tokens of density v = documents >= v long
+    density = np.arange(len(at_least), 0, -1, dtype=np.int64)  # densest first
+    count = at_least[::-1]
+    upto = np.cumsum(count)
+    k = int(np.searchsorted(upto, tokens))  # the density class holding the last of the `tokens` densest
+    if k >= len(upto):
+        return float(int((count * density).sum()))
+    before = int(upto[k - 1]) if k else 0
+    return float(int((count[:k] * density[:k]).sum()) + (tokens - before) * int(density[k]))
 
 
 def _horizon_for(item: _Item, tau: int, area: float, head: Optional[int] = None) -> Optional[int]:
@@ -1134,11 +1151,10 @@ def sequence_aware_table(doc_lengths: Sequence[int], *, ring_size: int, ulysses_
         raise ValueError(f"tokens_per_rank={tokens_per_rank} is too small: {ring_size * ulysses_size} CP ranks hold "
                          f"{ring_size * member_tokens} tokens but the batch has {total}; need tokens_per_rank >= "
                          f"{-(-total // (ring_size * ulysses_size))}")
-    weight = (cost_model or CostModel()).linear_weight
     caps = [min(member_tokens, max(0, total - m * member_tokens)) for m in range(ring_size)]
     doc = np.flatnonzero(lengths > 0)
     docs = _Items(doc, lengths[doc], lengths[doc] * (lengths[doc] + 1) // 2, {})
-    targets = _attention_targets(caps, docs.total_area(), weight, int(lengths.max(initial=0)))
+    targets = _attention_targets(caps, docs.total_area(), lengths)
     nodes = [list(range(m, min(m + ring_members_per_node, ring_size)))
              for m in range(0, ring_size, ring_members_per_node)]
     # Planned with the widest slack first; kept when every member's attention is within the target of its own
