@@ -189,26 +189,28 @@ def test_light_items_are_dealt_as_the_per_item_rules_deal_them(listed, monkeypat
 #: sha256 (first 16 hex digits) of the segment tables the planner made before its items became arrays (the same
 #: batches through the per-item code at commit ae61832). A deliberate change of the placement changes them: rerun
 #: ``_cases`` then, and compare its plan_report figures with the ones in docs/sequence_aware.md.
+#: Padded batches (a total the CP size does not divide) got equal attention targets later: short-docs, random-3/6/7/9/10
+#: and knobs (275 of its 283 padded batches) are those plans; no unpadded plan changed.
 PER_ITEM_PLANS = {
     "bimodal": "0d0d79d31ee5c15b",
     "bimodal-ring": "704c0fb3f6102344",
     "pareto-8x4": "3f07f19d8d7015e5",
     "pareto-tight": "d70ef5f500c6a642",
     "buckets-u2": "4c6acb0d96459fdd",
-    "short-docs": "5404e7c0e41aa6b9",
+    "short-docs": "2c7a327b5429a430",
     "random-0": "ea14fc6fffe56b7c",
     "random-1": "0b6d72573fd921b1",
     "random-2": "1ba176739ff0c63f",
-    "random-3": "07537f2901f99519",
+    "random-3": "bbcf5e60cbfbcf3c",
     "random-4": "ef794c5b9bc79860",
     "random-5": "73840d7ec5f9d6a1",
-    "random-6": "dab2044c8e6dc424",
-    "random-7": "5e8c8552933c2bff",
+    "random-6": "5442bfc35195cede",
+    "random-7": "a6e810e80e6ec008",
     "random-8": "b14424cc44119cbf",
-    "random-9": "4a3729f5b6042da9",
-    "random-10": "e5a682c0083718b9",
+    "random-9": "ac784662c02def39",
+    "random-10": "a6344c9b1636d775",
     "random-11": "67691341b3ef24e0",
-    "knobs": "4626deb2a27d5239",  # the 400 batches of _knob_cases, one digest
+    "knobs": "6cf72501b4e6ea95",  # the 400 batches of _knob_cases, one digest
 }
 
 
@@ -284,7 +286,7 @@ def _members(members: Sequence["placement_module._Items"]) -> list:
 
 
 @pytest.mark.parametrize("name, lengths, nodes, per_node, config, reuses", [
-    # Short documents and a padded last member: every slack misses the target, all passes run.
+    # Short documents and a padded last member, every pass planned here (the planner stops at the first within target).
     ("short-8x8", [random.Random(0).randint(1, 20) for _ in range(3000)], 8, 8, PlacementConfig(), True),
     ("short-8x1", [random.Random(1).randint(1, 20) for _ in range(30000)], 8, 1, PlacementConfig(), True),
     ("short-2x8", [random.Random(2).randint(1, 20) for _ in range(3000)], 2, 8, PlacementConfig(), True),
