@@ -9,7 +9,8 @@ cutting each member's token stream into equal contiguous parts for its Ulysses r
 docs/sequence_aware.md has the full argument; in short, one bisection:
 
 1. Both sides have an exact token capacity (only the last bins hold tail padding) and
-   an attention target (equal cost per bin, ``_attention_targets``).
+   an attention target (an equal share of the attention per bin, within what its tokens can carry:
+   ``_attention_targets``).
 2. Items (documents, or pieces of documents at lower levels) are taken by decreasing
    density (area per token; for whole documents, by decreasing length). The items not
    placed yet are then always the sparsest ones, so the least and the largest area that
@@ -1101,9 +1102,10 @@ def sequence_aware_placement(doc_lengths: Sequence[int], *, ring_size: int, ulys
 
     Every rank holds exactly ``tokens_per_rank`` tokens except for tail padding on the last
     ranks. Ring member m (CP ranks ``m * ulysses_size ...``) sits on node
-    ``m // ring_members_per_node``. ``cost_model`` (default ``CostModel()``, Llama-3-8B) sets how much
-    attention a padded member takes in place of its missing tokens' linear work; ``placement`` (default
-    ``PlacementConfig()``) the balance targets and knobs. Deterministic: every rank computes the same placement.
+    ``m // ring_members_per_node``. ``cost_model`` (a ``CostModel`` or None) is checked but does not change the
+    placement: a padded member takes the same attention share as a full one (``_attention_targets``), not more
+    in place of its missing tokens' linear work. ``placement`` (default ``PlacementConfig()``): the balance
+    targets and knobs. Deterministic: every rank computes the same placement.
     """
     table = sequence_aware_table(doc_lengths, ring_size=ring_size, ulysses_size=ulysses_size,
                                  ring_members_per_node=ring_members_per_node, tokens_per_rank=tokens_per_rank,

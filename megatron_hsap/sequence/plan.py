@@ -257,8 +257,9 @@ def plan_batch(cu_seqlens: torch.Tensor, topology: CPTopology, layout: str = "zi
     cu_seqlens: int ``[num_docs + 1]`` boundaries of the *global* packed batch (the same
     on every rank; zero-length documents allowed). topology: from ``get_cp_topology()``
     or ``CPTopology.offline(...)``. layout: 'zigzag', 'contiguous' or 'sequence-aware'.
-    cost_model: the model's layer geometry for the sequence-aware placement (how much attention
-    a rank with padding takes in place of linear work); default ``CostModel()`` (Llama-3-8B).
+    cost_model: the model's layer geometry (``CostModel``; default ``CostModel()``, Llama-3-8B), part of the
+    sequence-aware plan's cache key; the placement itself does not depend on it (a member with tail padding
+    takes the same attention share as a full one: docs/sequence_aware.md, "Cost model").
     placement: the sequence-aware placement's targets and knobs (``PlacementConfig``; default
     ``PlacementConfig()``: attention imbalance <= 1.02, slack spent on inter-node traffic). The other layouts
     ignore both.
