@@ -1,7 +1,7 @@
 """One cost model for placing packed documents: attention mask area plus a per-token linear cost.
 
-The placement (``placement.py``) balances this cost across ring members and the
-planning report (``tools/plan_report.py``) quotes it. Units are forward FLOPs of one
+The planning report (``tools/plan_report.py``) quotes it; the placement (``placement.py``) balances the attention
+term alone (equal shares, a padded member included: docs/sequence_aware.md, "Cost model"). Units are forward FLOPs of one
 transformer layer, counted like ``BatchPlan.stats`` (forward FLOPs 4 x mask area x heads x head_dim):
 
 - attention: ``4 * area * num_heads_q * head_dim``, where ``area`` is the number of
@@ -10,9 +10,8 @@ transformer layer, counted like ``BatchPlan.stats`` (forward FLOPs 4 x mask area
   ``2 * weights`` FLOPs per token.
 
 Because every CP rank holds the same number of tokens, the linear term is the same on
-every full rank; it matters where a rank holds tail padding (fewer tokens, so it may
-take a little more attention) and it tells how much the attention imbalance weighs in
-a layer's total work. The defaults describe Llama-3-8B (32 query heads, 8 KV heads,
+every full rank (a rank with tail padding does a little less); it tells how much the attention imbalance weighs
+in a layer's total work. The defaults describe Llama-3-8B (32 query heads, 8 KV heads,
 head_dim 128, hidden 4096, SwiGLU MLP of width 14336): there a token's linear work
 equals the attention of one query against ~26.6K keys.
 """
