@@ -30,7 +30,7 @@ docs/sequence_aware.md has the full argument; in short, one bisection:
    side, with at most one cut, and keeps the one moving the fewest rows (``_exhaustive_bisection``):
    the greedy steps cut at the cheapest cut *given the items placed so far*, which leaves a side at
    the edge of feasibility and forces further cuts. A larger bisection between nodes that the greedy
-   steps cut several times is searched again the same way over the documents they cut and the
+   steps cut is searched again the same way over the documents they cut, the heaviest and the
    shortest items (``_reopened``), kept when it moves fewer rows.
 
 A bisection's items are numpy arrays (``_Items``: one row per document; only pieces of cut documents carry ranges)
@@ -878,26 +878,38 @@ def _cut_rows(sides: Sequence[Union[_Items, Sequence[_Item]]], docs: Optional[Se
 
 def _reopened(items: _Items, sides: List[_Items], cut: List[int], rooms: Tuple[int, int],
               targets: Tuple[float, float], slack: float, config: PlacementConfig) -> List[_Items]:
-    """The greedy bisection's cuts searched again: the documents it cut, whole, and the shortest whole items of
-    each side (alternately, ``config.reopened`` items in all) are split again over every subset
-    (``_exhaustive_bisection``), the other items staying where they are; kept when it moves fewer rows.
+    """The greedy bisection's cuts searched again: the documents it cut, whole, the heaviest whole items (by area;
+    with the cut documents, ``config.heaviest`` in all) and the shortest whole items of each side (alternately,
+    ``config.reopened`` items in all) are split again over every subset (``_exhaustive_bisection``), the other
+    items staying where they are; kept when it moves fewer rows.
 
     A greedy cut leaves its holder at the edge of feasibility, so the items placed after it are cut too (three
     cuts in one bisection of two nodes, where one would do); the short items give the search the token counts
-    and areas to fill the rooms exactly around a single cut. After a single greedy cut the search saved little of
-    the rows it saves after several, at most of its time (tools/plan_report.py measures both). ``cut``: the
-    documents on both sides."""
-    if len(cut) < 2 or len(cut) > config.reopened - 2:  # a single cut: a few rows to save (~100 on the buckets)
+    and areas to fill the rooms exactly around a single cut. A single greedy cut is the cheapest cut of the item
+    that fitted neither side *given the heavy items placed before it*: with the heaviest items free as well, the
+    search also chooses which heavy documents go whole to which side and which one is cut (on the bimodal mix,
+    the few documents of 64K-512K tokens decide the traffic). ``cut``: the documents on both sides."""
+    if not cut or len(cut) > config.reopened - 2:
         return sides
-    wanted = config.reopened - len(cut)
-    # Per side, its uncut items by increasing length (ties in the side's order): the first `wanted` can be moved.
+    # The heaviest uncut items of both sides, by decreasing area (ties: left side first, then position).
+    uncut = [np.flatnonzero(~_among(side.doc, cut)) for side in sides]
+    heaviest = min(config.heaviest, config.reopened) - len(cut)
+    chosen: List[Tuple[int, int]] = []
+    if heaviest > 0:
+        areas = np.concatenate([side.area[u] for side, u in zip(sides, uncut)])
+        owner = np.repeat([0, 1], [len(u) for u in uncut])
+        position = np.concatenate(uncut)
+        top = np.lexsort((position, owner, -areas))[:heaviest]
+        chosen = list(zip(owner[top].tolist(), position[top].tolist()))
+    wanted = config.reopened - len(cut) - len(chosen)
+    # Per side, its other uncut items by increasing length (ties in the side's order): the first `wanted` can move.
     shortest = []
-    for side in sides:
-        uncut = np.flatnonzero(~_among(side.doc, cut))
-        shortest.append(uncut[_shortest(side.length[uncut], wanted)].tolist())
+    for s, (side, u) in enumerate(zip(sides, uncut)):
+        u = np.setdiff1d(u, [k for t, k in chosen if t == s], assume_unique=True)
+        shortest.append(u[_shortest(side.length[u], wanted)].tolist())
     alternate = [(s, k) for pair in zip_longest(*shortest) for s, k in zip((0, 1), pair) if k is not None][:wanted]
     free = [items.item(k) for k in np.flatnonzero(_among(items.doc, cut)).tolist()]
-    free += [sides[s].item(k) for s, k in alternate]
+    free += [sides[s].item(k) for s, k in chosen + alternate]
     moved = np.array(sorted(it.doc for it in free), dtype=np.int64)
     fixed = [side.take(np.flatnonzero(~_among(side.doc, moved))) for side in sides]
     found = _exhaustive_bisection(free, tuple(r - int(f.length.sum()) for r, f in zip(rooms, fixed)),
@@ -927,34 +939,59 @@ def _shortest(lengths: np.ndarray, count: int) -> np.ndarray:
 
 
 def _split(items: Union[_Items, Sequence[_Item]], groups: list, caps: Sequence[int], targets: Sequence[float], config: PlacementConfig,
-           node_slack: float) -> List[_Items]:
+           node_slack: float, budget: Optional[float] = None) -> List[_Items]:
     """Recursive bisection over a tree of bins: ``groups`` is a bin index or a list of subtrees; bisections
-    between nodes may miss their targets by ``node_slack`` (a fraction), those inside a node by ``config.slack``.
+    inside a node may miss their targets by ``config.slack`` (a fraction), those between nodes by ``node_slack``
+    when it is ``config.slack`` (``"tight"``), else by what is left of a budget (``_node_slack``).
 
     Each side's bin targets are rescaled to the area the side actually received, so a bisection's error
     is shared by all the bins below it instead of landing on the last bin split (a node slightly over its
-    target made one of its members several times as far over)."""
+    target made one of its members several times as far over). ``budget``: how far over its share (a factor)
+    the bisections between nodes of this subtree may put a node; ``None`` at the root, ``(1 + node_slack) **
+    levels``."""
     items = _as_items(items)
     if isinstance(groups, int):
         return [items]
     if len(groups) == 1:
-        return _split(items, groups[0], caps, targets, config, node_slack)
+        return _split(items, groups[0], caps, targets, config, node_slack, budget)
     half = len(groups) // 2
     left, right = groups[:half], groups[half:]
     lb, rb = _leaves(left), _leaves(right)
     between_nodes = not isinstance(groups[0], int)
+    slack = config.slack
+    if between_nodes and node_slack > config.slack:
+        levels = _depth(len(groups))
+        budget = (1.0 + node_slack) ** levels if budget is None else budget
+        slack = _node_slack(budget, levels, config.slack)
+    elif between_nodes:
+        slack = node_slack
     sides = _bisect_items(items, (sum(caps[b] for b in lb), sum(caps[b] for b in rb)),
-                          (sum(targets[b] for b in lb), sum(targets[b] for b in rb)), between_nodes, config,
-                          node_slack if between_nodes else config.slack)
-    scaled = list(targets)
-    for side, leaves in zip(sides, (lb, rb)):
+                          (sum(targets[b] for b in lb), sum(targets[b] for b in rb)), between_nodes, config, slack)
+    scaled, budgets = list(targets), [budget, budget]
+    for s, (side, leaves) in enumerate(zip(sides, (lb, rb))):
         wanted = sum(targets[b] for b in leaves)
         if wanted > 0:
             factor = side.total_area() / wanted
             for b in leaves:
                 scaled[b] = targets[b] * factor
-    return (_split(sides[0], left, caps, scaled, config, node_slack)
-            + _split(sides[1], right, caps, scaled, config, node_slack))
+            if budget is not None and factor > 0:
+                budgets[s] = budget / factor  # what is left to the levels below: a side under its target has more
+    return (_split(sides[0], left, caps, scaled, config, node_slack, budgets[0])
+            + _split(sides[1], right, caps, scaled, config, node_slack, budgets[1]))
+
+
+def _node_slack(budget: float, levels: int, floor: float) -> float:
+    """The slack of a bisection between nodes with ``levels`` levels between nodes left (its own included): all of
+    the ``budget`` but ``floor`` for each level below it (what a bisection needs to place documents whole), and at
+    least ``floor``.
+
+    The first bisection's error then bounds what the levels below may add: a side over its target by ``1 + e`` has
+    ``budget / (1 + e)`` left, a side under it more (the sides' targets are rescaled), so a member is over its
+    share by at most ``budget`` times what the levels inside its node add. Spent first where it is: the two sides
+    of the first bisection between two halves of the nodes need the most area moved, and a cut there that the
+    slack avoids (or shortens) saves the most rows; levels below spend what their side has left (measured against
+    an equal share per level in docs/sequence_aware.md)."""
+    return max(floor, budget / (1.0 + floor) ** (levels - 1) - 1.0)
 
 
 def _leaves(groups: object) -> List[int]:
@@ -994,10 +1031,11 @@ def _depth(count: int) -> int:
 
 
 def _node_slacks(config: PlacementConfig, num_nodes: int, members_per_node: int) -> List[float]:
-    """The slacks (fractions of a side's target) the bisections between nodes try, in order: in ``"traffic"``
-    mode the largest whose compounded error over the levels between nodes, times ``config.slack`` per level
-    inside a node, stays within ``attention_target`` (a member over its node's share by ``1 + e`` per level
-    on its path), then half and a quarter of it; ``config.slack`` last (``"tight"``: only that)."""
+    """The slacks (fractions of a side's target) the bisections between nodes try, in order, each as the budget
+    ``(1 + slack) ** levels`` that ``_split`` shares among the levels between nodes: in ``"traffic"`` mode the
+    largest whose compounded error over those levels, times ``config.slack`` per level inside a node, stays
+    within ``attention_target`` (a member over its node's share by ``1 + e`` per level on its path), then half
+    and a quarter of it; ``config.slack`` last (``"tight"``: only that, at every level)."""
     tight = [config.slack]
     levels = _depth(num_nodes)
     if config.balance == "tight" or levels == 0:
