@@ -775,19 +775,22 @@ def test_a_single_greedy_cut_is_searched_again_with_the_heavy_documents(lengths:
 
 
 @pytest.mark.parametrize("ring,ulysses,per_node", [(4, 8, 1), (16, 1, 4)])
+@pytest.mark.parametrize("seed,yardstick", [(2, 1.15), (3, 1.10)])
 def test_bimodal_heavy_documents_on_four_nodes_move_within_the_yardstick_of_the_bound(
-        ring: int, ulysses: int, per_node: int) -> None:
-    """A 1M-token bimodal batch (documents of 422K, 342K, 110K and 100K tokens among short ones) on 4 nodes,
-    hybrid and a pure ring of 16: the rows crossing nodes are within 1.15 x the valid lower bound at the attention
-    target (tools/plan_report.py's yardstick), attention within 1.02. The slack shared equally by the two levels
-    between nodes and the greedy cuts searched again without the heavy documents moved 1.22 x the bound."""
-    lengths = bimodal_doc_lengths(1 << 20, seed=2)
+        seed: int, yardstick: float, ring: int, ulysses: int, per_node: int) -> None:
+    """1M-token bimodal batches on 4 nodes, hybrid and a pure ring of 16 (seed 2: documents of 422K, 342K, 110K and
+    100K tokens among short ones; seed 3: 486K, 474K and 72K): the rows crossing nodes are within 1.15 x the valid
+    lower bound at the attention target (tools/plan_report.py's yardstick), 1.10 x on seed 3; attention within
+    1.02. The greedy cuts searched again without the heavy documents moved 1.22 x on seed 2 (and the placement
+    before this round 1.16 x on seed 3); the slack shared equally by the two levels between nodes 1.14 x on
+    seed 3."""
+    lengths = bimodal_doc_lengths(1 << 20, seed=seed)
     topo = CPTopology.offline(ring * ulysses, ulysses, per_node * ulysses)
     plan = plan_batch(cu_seqlens_from_lengths(lengths), topo, "sequence-aware")
     stats = plan.stats(8, 8, 1, torch.float32)  # a row: k and v of 8 heads of 1 fp32
     assert stats.flops_imbalance <= 1.02
     bound = inter_node_rows_lower_bound(lengths, 4, 1.02, plan.tokens_per_rank * per_node * ulysses)
-    assert bound > 0 and sum(stats.recv_bytes_inter_forwarded) // 64 <= 1.15 * bound
+    assert bound > 0 and sum(stats.recv_bytes_inter_forwarded) // 64 <= yardstick * bound
 
 
 def test_node_slack_spends_the_budget_first_and_leaves_the_floor_below() -> None:
