@@ -616,8 +616,9 @@ def test_few_items_between_nodes_are_split_by_trying_every_subset() -> None:
 
 def test_cuts_of_the_greedy_bisection_are_searched_again() -> None:
     # Between nodes, a bisection too large for every subset is split by the greedy steps; the documents they cut
-    # and the shortest items are then searched again over every subset (`_reopened`), kept only when fewer rows
-    # move: never more rows than the greedy steps, exact rooms and the slack kept when kept, fewer rows in all.
+    # and the heaviest and shortest items are then searched again over every subset (`_reopened`), kept only when
+    # fewer rows move, or when the greedy sides missed the slack: never more rows than the greedy steps within the
+    # slack, exact rooms and the slack kept when kept, fewer rows in all.
     rng = random.Random(5)
     reopened = greedy = kept = 0
     for _ in range(40):
@@ -632,10 +633,11 @@ def test_cuts_of_the_greedy_bisection_are_searched_again() -> None:
         sides = placement_module._bisect_items(items, rooms, targets, True)
         plain = placement_module._bisect_items(items, rooms, targets, True, PlacementConfig(reopened=0))
         rows, plain_rows = placement_module._cut_rows(sides), placement_module._cut_rows(plain)
-        assert rows <= plain_rows
-        if rows < plain_rows:
+        slack = placement_module._Bisection(items, rooms, targets, PlacementConfig(), True).slack
+        missed = abs(plain[0].total_area() - targets[0]) > slack
+        assert rows <= plain_rows or missed
+        if rows < plain_rows or (missed and rows != plain_rows):
             kept += 1
-            slack = placement_module._Bisection(items, rooms, targets, PlacementConfig(), True).slack
             assert [sum(it.length for it in side) for side in sides] == list(rooms)
             for side, target in zip(sides, targets):
                 assert abs(sum(it.area for it in side) - target) <= slack
