@@ -164,19 +164,27 @@ PRETRAIN_FLAGS = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-h
                   "--position-embedding-type", "rope"]
 
 
-def _pretrain(tmp_path, nproc: int, *flags: str) -> dict:
-    """Run ``python -m megatron_hsap.training.megatron_lm`` (Megatron-LM's real pretrain()) under torchrun; the logged
-    lm loss and grad norm of every iteration and the validation loss, parsed from Megatron-LM's log lines."""
-    import re
-
+def _start_pretrain(tmp_path, nproc: int, *flags: str) -> subprocess.Popen:
+    """Start ``python -m megatron_hsap.training.megatron_lm`` (Megatron-LM's real pretrain()) under torchrun."""
     env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
            "CUDA_DEVICE_MAX_CONNECTIONS": "1", "OMP_NUM_THREADS": "1"}
-    result = subprocess.run(
+    return subprocess.Popen(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc), "-m",
          "megatron_hsap.training.megatron_lm", *PRETRAIN_FLAGS, "--data-cache-path", str(tmp_path / "cache"), *flags],
-        cwd=str(tmp_path), env=env, capture_output=True, text=True, timeout=400)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
-    out = result.stdout
+        cwd=str(tmp_path), env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _finish_pretrain(run: subprocess.Popen) -> dict:
+    """The logged lm loss and grad norm of every iteration and the validation loss of a started run, parsed from
+    Megatron-LM's log lines (a run that does not end within 400 s fails: a hang is a bug)."""
+    import re
+
+    try:
+        out, err = run.communicate(timeout=400)
+    except subprocess.TimeoutExpired:
+        run.kill()
+        raise
+    assert run.returncode == 0, out[-3000:] + err[-5000:]
     iterations = re.findall(r"iteration\s+(\d+)/\s*3 \|.*?lm loss: ([0-9.E+-]+) \|.*?grad norm: ([0-9.]+) \|", out)
     assert [int(i) for i, _, _ in iterations] == [1, 2, 3], out[-3000:]
     (valid,) = re.findall(r"validation loss at iteration 3 \| lm loss value: ([0-9.E+-]+)", out)
@@ -190,28 +198,41 @@ def _megatron_training_or_skip() -> None:
                                                     "0.16 put a Megatron-LM checkout (core_v0.16.1) on PYTHONPATH")
 
 
+#: The runs the tests below compare: name -> (processes, flags). All start at once (mostly imports: together they
+#: take about the time of the slowest on 2 cores).
+PRETRAIN_RUNS = {"cp1": (1, []), "cp2-hsap": (2, ["--context-parallel-size", "2", "--context-parallel-mode", "hsap"]),
+                 "dp2": (2, [])}
+
+
 @pytest.fixture(scope="module")
-def pretrain_cp1(tmp_path_factory) -> dict:
+def pretrain_runs(tmp_path_factory) -> dict:
     _megatron_training_or_skip()
-    return _pretrain(tmp_path_factory.mktemp("cp1"), 1)
+    started = {name: _start_pretrain(tmp_path_factory.mktemp(name), nproc, *flags)
+               for name, (nproc, flags) in PRETRAIN_RUNS.items()}
+    try:
+        return {name: _finish_pretrain(run) for name, run in started.items()}
+    finally:
+        for run in started.values():
+            if run.poll() is None:
+                run.kill()
 
 
-def test_pretrain_cp2_hsap_matches_cp1(pretrain_cp1, tmp_path):
+def test_pretrain_cp2_hsap_matches_cp1(pretrain_runs):
     """HSAP inside Megatron-LM's real pretrain() (2 gloo ranks, CP 2, hsap): the same logged losses, grad norms
     and validation loss as CP 1, iteration by iteration."""
-    got = _pretrain(tmp_path, 2, "--context-parallel-size", "2", "--context-parallel-mode", "hsap")
-    assert 3.0 < pretrain_cp1["loss"][0] < 6.0  # ~ln(128) for a fresh model
-    assert got["loss"] == pytest.approx(pretrain_cp1["loss"], rel=1e-5, abs=0.0)
-    assert got["grad_norm"] == pytest.approx(pretrain_cp1["grad_norm"], abs=2e-3)  # logged with 3 decimals
-    assert got["valid"] == pytest.approx(pretrain_cp1["valid"], rel=1e-5, abs=0.0)
+    cp1, got = pretrain_runs["cp1"], pretrain_runs["cp2-hsap"]
+    assert 3.0 < cp1["loss"][0] < 6.0  # ~ln(128) for a fresh model
+    assert got["loss"] == pytest.approx(cp1["loss"], rel=1e-5, abs=0.0)
+    assert got["grad_norm"] == pytest.approx(cp1["grad_norm"], abs=2e-3)  # logged with 3 decimals
+    assert got["valid"] == pytest.approx(cp1["valid"], rel=1e-5, abs=0.0)
 
 
-def test_pretrain_dp2_logs_the_global_mean_loss(pretrain_cp1, tmp_path):
+def test_pretrain_dp2_logs_the_global_mean_loss(pretrain_runs):
     """With 2 data-parallel ranks the logged loss is the mean over both ranks' micro-batches (Megatron-LM reduces
     the (sum, count) pairs), i.e. CP 1's with both micro-batches on one rank, not rank 0's own."""
-    got = _pretrain(tmp_path, 2)
-    assert got["loss"] == pytest.approx(pretrain_cp1["loss"], rel=1e-5, abs=0.0)
-    assert got["grad_norm"] == pytest.approx(pretrain_cp1["grad_norm"], abs=2e-3)
+    cp1, got = pretrain_runs["cp1"], pretrain_runs["dp2"]
+    assert got["loss"] == pytest.approx(cp1["loss"], rel=1e-5, abs=0.0)
+    assert got["grad_norm"] == pytest.approx(cp1["grad_norm"], abs=2e-3)
 
 
 def test_megatron_lm_defaults_are_resolved(capsys):

@@ -152,7 +152,12 @@ def _received(state: "placement_module._Bisection", doc_index: dict) -> List[lis
     return out
 
 
-def test_light_items_are_dealt_as_the_per_item_rules_deal_them() -> None:
+@pytest.mark.parametrize("listed", [None, 0, 1 << 30])
+def test_light_items_are_dealt_as_the_per_item_rules_deal_them(listed, monkeypatch) -> None:
+    """``listed``: the most items dealt with Python lists (``placement._LISTED``; None: the default, 0: numpy
+    always, 2**30: lists always)."""
+    if listed is not None:
+        monkeypatch.setattr(placement_module, "_LISTED", listed)
     rng = random.Random(7)
     fired = set()
     for case in range(250):
@@ -248,9 +253,132 @@ def _digest(lengths: Sequence[int], topology: Tuple[int, int, int], config, into
     return into.hexdigest()[:16]
 
 
-def test_plans_are_those_of_the_per_item_planner() -> None:
+@pytest.mark.parametrize("listed", [None, 0, 1 << 30])
+def test_plans_are_those_of_the_per_item_planner(listed, monkeypatch) -> None:
+    """``listed``: the most items a side is assembled from, and light items dealt, with Python lists
+    (``placement._LISTED``; None: the default, both ways in one plan; 0: numpy always; 2**30: lists always)."""
+    if listed is not None:
+        monkeypatch.setattr(placement_module, "_LISTED", listed)
     digests = {name: _digest(lengths, topology, config) for name, lengths, topology, config in _cases()}
     knobs = hashlib.sha256()
     for lengths, topology, config in _knob_cases():
         digests["knobs"] = _digest(lengths, topology, config, knobs)
     assert digests == PER_ITEM_PLANS
+
+
+# ---- later passes reuse the bisections of earlier ones -------------------------------------------------------------
+
+def _passes(lengths: Sequence[int], nodes: int, per_node: int, config: PlacementConfig):
+    """The inputs ``sequence_aware_table`` gives ``_split`` (no padding beyond the tail of the last member)."""
+    lengths = np.array(lengths, dtype=np.int64)
+    members, total = nodes * per_node, int(lengths.sum())
+    cap = -(-total // members)
+    caps = [min(cap, max(0, total - m * cap)) for m in range(members)]
+    doc = np.flatnonzero(lengths > 0)
+    docs = placement_module._Items(doc, lengths[doc], lengths[doc] * (lengths[doc] + 1) // 2, {})
+    targets = placement_module._attention_targets(caps, docs.total_area(), 1.0, int(lengths.max()))
+    groups = [list(range(m, m + per_node)) for m in range(0, members, per_node)]
+    return docs, groups, caps, targets, placement_module._node_slacks(config, nodes, per_node)
+
+
+def _members(members: Sequence["placement_module._Items"]) -> list:
+    """Each member's items in order, with the ranges of its cut documents."""
+    return [[(it.doc, it.ranges) for it in items] for items in members]
+
+
+@pytest.mark.parametrize("name, lengths, nodes, per_node, config, reuses", [
+    # Short documents and a padded last member: every slack misses the target, all passes run.
+    ("short-8x8", [random.Random(0).randint(1, 20) for _ in range(3000)], 8, 8, PlacementConfig(), True),
+    ("short-8x1", [random.Random(1).randint(1, 20) for _ in range(30000)], 8, 1, PlacementConfig(), True),
+    ("short-2x8", [random.Random(2).randint(1, 20) for _ in range(3000)], 2, 8, PlacementConfig(), True),
+    # Heavy items between nodes (their bisections read the slack) that the widest slack leaves over the target: each
+    # pass splits the nodes differently, nothing is reused.
+    ("buckets-heavy", sample_doc_lengths(1 << 14, seed=0), 2, 8, PlacementConfig(heavy=0.2), False),
+    ("pareto-4x4", pareto_doc_lengths(1 << 15, seed=6), 4, 4, PlacementConfig(heavy=0.05), None),
+])
+def test_bisections_reused_by_later_passes_are_those_planned_again(name, lengths, nodes, per_node, config,
+                                                                   reuses) -> None:
+    """With a memo, ``_split`` reuses an earlier pass's bisection given the same items, targets and a slack it equals
+    or never read; every pass must equal the same pass planned without one. ``reuses``: whether some members are
+    the very objects of the pass before (None: either)."""
+    docs, groups, caps, targets, slacks = _passes(lengths, nodes, per_node, config)
+    assert len(slacks) > 1, name
+    memo: dict = {}
+    before: list = []
+    reused = 0
+    for slack in slacks:
+        with_memo = placement_module._split(docs, groups, caps, targets, config, slack, memo)
+        fresh = placement_module._split(docs, groups, caps, targets, config, slack)
+        assert _members(with_memo) == _members(fresh), (name, slack)
+        reused += sum(any(m is b for b in before) for m in with_memo)
+        before = with_memo
+    assert reuses is None or (reused > 0) == reuses, (name, reused)
+
+
+def test_reuse_needs_the_same_targets_and_slack() -> None:
+    """The same items under other targets, or a bisection that read its slack under another slack, are planned
+    again: the memo hands back what fresh planning gives."""
+    docs, groups, caps, targets, _ = _passes(sample_doc_lengths(1 << 14, seed=0), 2, 8, PlacementConfig(heavy=0.2))
+    config = PlacementConfig(heavy=0.2)
+    memo: dict = {}
+    placement_module._split(docs, groups, caps, targets, config, 0.02, memo)
+    assert any(entry[3] for entry in memo.values())  # some bisections read their slack
+    skewed = [t * (1.3 if b % 3 == 0 else 0.9) for b, t in enumerate(targets)]
+    for t, slack in ((skewed, 0.02), (targets, 0.001), (skewed, 0.001)):
+        fresh = placement_module._split(docs, groups, caps, t, config, slack)
+        assert _members(placement_module._split(docs, groups, caps, t, config, slack, dict(memo))) == _members(fresh)
+        assert _members(fresh) != _members(placement_module._split(docs, groups, caps, targets, config, 0.02)), slack
+
+
+def test_same_items_compares_the_ranges_of_cut_documents() -> None:
+    doc, length = np.array([3, 5]), np.array([4, 6])
+    area = np.array([10, 39])  # document 5's tokens [2, 5) and [6, 9): 3 + 4 + 5 + 7 + 8 + 9 pairs
+    a = placement_module._Items(doc, length, area, {5: ((2, 5), (6, 9))})
+    assert placement_module._same_items(a, placement_module._Items(doc.copy(), length.copy(), area.copy(),
+                                                                    {5: ((2, 5), (6, 9)), 7: ((0, 1),)}))
+    assert not placement_module._same_items(a, placement_module._Items(doc, length, area, {5: ((1, 4), (7, 10))}))
+    assert not placement_module._same_items(a, placement_module._Items(doc, length, area, {}))
+    assert not placement_module._same_items(a, placement_module._Items(doc, length, area + 1, a.pieces))
+
+
+# ---- member streams cut into ranks ---------------------------------------------------------------------------------
+
+def _reference_split(member, doc, start, end, ulysses: int, tokens_per_rank: int) -> list:
+    """``layouts.split_streams`` one segment at a time: each member's segments laid out from its first slot, split
+    where a rank boundary falls inside one."""
+    rows, used = [], {}
+    for m, d, s, e in zip(member, doc, start, end):
+        pos = m * ulysses * tokens_per_rank + used.get(m, 0)
+        used[m] = used.get(m, 0) + e - s
+        while s < e:
+            rank = pos // tokens_per_rank
+            take = min(e - s, (rank + 1) * tokens_per_rank - pos)
+            rows.append([rank, d, s, s + take])
+            s, pos = s + take, pos + take
+    return rows
+
+
+@pytest.mark.parametrize("ulysses", [1, 2, 4])
+def test_split_streams_is_the_per_segment_split(ulysses: int) -> None:
+    """Random member streams, some filling whole ranks exactly (nothing to split: the shortcut) and some not."""
+    from megatron_hsap.sequence.layouts import split_streams
+
+    rng = random.Random(ulysses)
+    for case in range(200):
+        tokens_per_rank = rng.choice([1, 3, 8, 50])
+        members = rng.randint(1, 4)
+        exact = case % 3 == 0  # every segment one rank's worth: no boundary inside a segment
+        rows = []
+        for m in range(members):
+            room = ulysses * tokens_per_rank
+            for _ in range(rng.randint(0, 6)):
+                length = tokens_per_rank if exact else rng.randint(0, room)
+                if length > room:
+                    break
+                s = rng.randint(0, 30)
+                rows.append((m, rng.randint(0, 9), s, s + length))
+                room -= length
+        member, doc, start, end = (np.array([r[k] for r in rows], dtype=np.int64) for k in range(4))
+        got = split_streams(member, doc, start, end, ulysses, tokens_per_rank)
+        expected = _reference_split(*(a.tolist() for a in (member, doc, start, end)), ulysses, tokens_per_rank)
+        assert got.tolist() == expected, (ulysses, case)

@@ -738,6 +738,27 @@ def test_plan_cache_is_bounded_in_bytes():
     assert cache.bytes == 800 and list(cache._entries) == ["b"]
 
 
+PLAN_CACHE_LINE = re.compile(r"^plan cache of rank 0's training process: (\d+) of (\d+) lookups found a plan \| holds "
+                             r"(\d+) plans, ([\d.]+) KiB of ([\d.]+) MiB \(--plan-cache-mb\) \| (\d+) evicted$", re.M)
+
+
+@pytest.mark.parametrize("budget_mb", ["0", "256"])
+def test_plan_cache_budget_reaches_the_training_loop(cache_dir, budget_mb):
+    """--plan-cache-mb is what the training process's cache holds to: with no budget every plan is made again
+    (no lookup finds one, nothing is held); with room the model's attention finds the plan the data made."""
+    result = _run(TINY + ["--context-parallel-size", "2", "--context-parallel-mode", "hsap", "--ranks-per-node", "1",
+                          "--train-iters", "2", "--data-cache-path", cache_dir, "--plan-cache-mb", budget_mb], 2)
+    assert result.returncode == 0, result.stderr[-3000:]
+    found = PLAN_CACHE_LINE.findall(result.stdout)
+    assert len(found) == 1, result.stdout[-3000:]
+    hits, lookups, held, held_kib, budget, evicted = found[0]
+    assert float(budget) == float(budget_mb) and int(lookups) > 0 and int(evicted) == 0
+    if budget_mb == "0":
+        assert (int(hits), int(held), float(held_kib)) == (0, 0, 0.0)
+    else:
+        assert 0 < int(hits) < int(lookups) and int(held) > 0 and 0 < float(held_kib) <= 1024 * float(budget)
+
+
 def test_training_plan_cache_holds_at_most_its_budget():
     from megatron_hsap.parallel_state import CPTopology
     from megatron_hsap.sequence.doc_lengths import cu_seqlens_from_lengths
@@ -754,7 +775,7 @@ def test_training_plan_cache_holds_at_most_its_budget():
         for extra in range(6):  # six batches of 5000 short documents: about 2 MB of plan each
             plan_batch(cu_seqlens_from_lengths([16] * 5000 + [16 + extra]), topology, "zigzag")
             assert 0 < PLAN_CACHE.bytes <= budget
-        assert 1 <= len(PLAN_CACHE) < 6
+        assert 1 <= len(PLAN_CACHE) < 6 and PLAN_CACHE.evictions == 6 - len(PLAN_CACHE)
     finally:
         PLAN_CACHE.set_max_bytes(PLAN_CACHE_BYTES)
         PLAN_CACHE.clear()

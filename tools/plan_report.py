@@ -534,9 +534,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         mix, size, layout, mode = args.mixes[0], args.sizes[0], args.layouts[0], args.modes[0]
         lengths = batch_lengths(mix, SIZES[size], args.seed)
         nodes, per_node = LAYOUTS[layout]
-        caption = (f"One batch (the first of the table's {args.batches}, seed {args.seed}; the table averages over "
-                   f"all): {mix} mix, {len(lengths)} documents, {sum(lengths)} tokens\non {nodes} nodes x {per_node} "
-                   f"CP ranks ({mode}); per layer, Llama-3-8B attention geometry in bf16")
+        which = ("the table's only batch" if args.batches == 1 else
+                 f"the first of the table's {args.batches} batches, which the table averages over")
+        caption = (f"One batch ({which}; seed {args.seed}): {mix} mix, {len(lengths)} documents, {sum(lengths)} "
+                   f"tokens\non {nodes} nodes x {per_node} CP ranks ({mode}); per layer, Llama-3-8B attention "
+                   f"geometry in bf16")
         draw(args.plot, lengths, layout, mode, model, caption, PlacementConfig(balance=args.balance))
         print(f"wrote {args.plot} (the first batch only)")
     return 0

@@ -100,16 +100,26 @@ def split_streams(member: np.ndarray, doc: np.ndarray, start: np.ndarray, end: n
     member_tokens = ulysses_size * tokens_per_rank
     if np.any(offset + length > member_tokens):
         raise AssertionError(f"a member stream does not fit {ulysses_size} ranks of {tokens_per_rank} tokens")
+    if ulysses_size == 1:  # a member is one rank: nothing to split
+        return np.stack([member, doc, start, end], axis=1)
     pos = member * member_tokens + offset
-    # Rank boundaries falling strictly inside a segment split it.
+    # A segment inside one rank is one row; a rank boundary falling strictly inside a segment splits it.
     first_rank, last_rank = pos // tokens_per_rank, (pos + length - 1) // tokens_per_rank
+    table = np.stack([first_rank, doc, start, end], axis=1)
     parts = last_rank - first_rank + 1
-    row = np.repeat(np.arange(len(doc)), parts)
-    rank = np.repeat(first_rank, parts) + (np.arange(len(row)) - np.repeat(np.cumsum(parts) - parts, parts))
+    cross = np.flatnonzero(parts > 1)  # (few: the formulas below run on these only)
+    if not len(cross):
+        return table
+    table = np.repeat(table, parts, axis=0)
+    count = parts[cross]
+    row = np.repeat(cross, count)  # the segment of each piece of a crossing segment
+    piece = np.arange(len(row)) - np.repeat(np.cumsum(count) - count, count)
+    rank = first_rank[row] + piece
     lo = np.maximum(pos[row], rank * tokens_per_rank)
     hi = np.minimum(pos[row] + length[row], (rank + 1) * tokens_per_rank)
     s = start[row] + lo - pos[row]
-    return np.stack([rank, doc[row], s, s + hi - lo], axis=1)
+    table[(np.cumsum(parts) - parts)[row] + piece] = np.stack([rank, doc[row], s, s + hi - lo], axis=1)
+    return table
 
 
 def zigzag_table(doc_lengths: Sequence[int], cp_size: int, ulysses_size: int = 1) -> Tuple[np.ndarray, int]:

@@ -356,6 +356,13 @@ def _steps(window: float, slope: int, area: float) -> int:
     return step - 1 if step > 1 and window + slope * (step - 1) >= area else step + int(window + slope * step < area)
 
 
+#: A column of a side's items (``_Bisection.sides``): int64 array, or a Python list for a side of few items.
+_Column = Union[np.ndarray, List[int]]
+#: Light items of a pool of at most this many, and a side of at most this many items, are dealt and assembled with
+#: Python lists instead of numpy calls (``_Bisection.place_light``, ``sides``): a speed threshold, the plans are the
+#: same (tests/test_placement_bulk.py checks both ways).
+_LISTED = 64
+
 #: What a side receives, in order: an index (into the bisection's sorted items) or an index array of items placed
 #: whole, or a piece cut here.
 _Entry = Union[int, np.ndarray, _Item]
@@ -386,17 +393,18 @@ class _Bisection:
         self.missing = [float(t) for t in targets]
         self.out: List[List[_Entry]] = [[], []]
         self.cut: set = set()  # documents cut here: the only ones of which a side can hold several pieces
+        self._columns: Optional[Tuple[List[int], List[int], List[int]]] = None  # the items' columns as lists (sides)
         # A side may end this far from its target (``slack``: a fraction of the smaller side's target, default
         # ``config.slack``): documents are not cut for a smaller gain.
-        self.slack = (config.slack if slack is None else slack) * min(targets) + 1e-5 * (sum(targets) + 1.0)
+        self._slack = (config.slack if slack is None else slack) * min(targets) + 1e-5 * (sum(targets) + 1.0)
+        self.slack_read = False
 
-    def feasible(self, side: int, i: int, tokens: int, area: float) -> bool:
-        """Whether ``side`` can still meet its target after taking (tokens, area), filled from ``items[i:]``."""
-        pool, r = self.pool, self.room[side] - tokens
-        if r < 0 or r > pool.size(i):
-            return False
-        need = self.missing[side] - area
-        return pool.least(i, r) - self.slack <= need <= pool.most(i, r) + self.slack
+    @property
+    def slack(self) -> float:
+        """How far a side may end from its target (pairs); reading it marks the bisection as depending on it
+        (``slack_read``: a bisection that never read it splits its items the same way under any slack)."""
+        self.slack_read = True
+        return self._slack
 
     def put(self, side: int, entries: Sequence[_Entry]) -> None:
         """Give ``entries`` (in order: a side's float bookkeeping is the same however its items are batched)."""
@@ -419,24 +427,48 @@ class _Bisection:
                 missing -= int(items.area[e])
         self.room[side], self.missing[side] = room, missing
 
-    def place_heavy(self, i: int, short: int) -> bool:
-        """Place heavy item ``i`` whole or cut; False (nothing placed) when it would be cut but has at most
-        ``short`` tokens: such items are left to the light phase, which fills rooms without cutting."""
-        pool = self.pool
-        length, area = pool.lengths[i], pool.item_areas[i]
-        if not pool.listed:
-            length, area = int(length), int(area)
-        # The densest item left goes to the side whose remaining room needs the denser filling, if it can.
-        (m0, m1), (r0, r1) = self.missing, self.room
-        for side in ((0, 1) if (m0 / r0 if r0 else 0.0) >= (m1 / r1 if r1 else 0.0) else (1, 0)):
-            if self.feasible(side, i + 1, length, area):
-                self.out[side].append(i)  # the first pool's positions are the sorted items' indices
-                self.room[side] -= length
-                self.missing[side] -= area
-                return True
-        if length <= short:
-            return False
-        item = pool.item(i)
+    def place_heavy(self, end: int, short: int) -> List[int]:
+        """Place heavy items ``0 .. end - 1`` in turn, each whole or cut; returns the ones left to the light phase
+        (which fills rooms without cutting): those that would be cut but have at most ``short`` tokens.
+
+        The densest item left goes to the side whose remaining room needs the denser filling if that side stays
+        *feasible* after it: the side's missing area within the slack of the least and the most area the items
+        after it can give its remaining room (``_Pool.least`` / ``_Pool.most``); else to the other side if that
+        one stays feasible; else it is cut (``_cut_heavy``). The test is written out in the loop, one Python
+        call per item instead of a dozen: batches of short documents have tens of thousands of heavy items."""
+        pool, room, missing, out = self.pool, self.room, self.missing, self.out
+        lengths, item_areas, upto = pool.lengths, pool.item_areas, pool._area_upto
+        tokens, areas = pool.tokens, pool.areas
+        last_tokens, last_area = tokens[-1], areas[-1]
+        slack = self.slack if end else 0.0
+        deferred = []
+        for i in range(end):
+            length, area = lengths[i], item_areas[i]
+            if not pool.listed:
+                length, area = int(length), int(area)
+            (m0, m1), (r0, r1) = missing, room
+            for side in ((0, 1) if (m0 / r0 if r0 else 0.0) >= (m1 / r1 if r1 else 0.0) else (1, 0)):
+                r = room[side] - length  # the side's room after the item, filled from items i + 1 ..
+                if r < 0 or r > last_tokens - tokens[i + 1]:
+                    continue
+                need = missing[side] - area
+                # pool.least(i + 1, r) - slack <= need <= pool.most(i + 1, r) + slack
+                if last_area - upto(last_tokens - r) - slack <= need <= upto(tokens[i + 1] + r) - areas[i + 1] + slack:
+                    out[side].append(i)  # the first pool's positions are the sorted items' indices
+                    room[side] -= length
+                    missing[side] -= area
+                    break
+            else:
+                if length <= short:
+                    deferred.append(i)
+                else:
+                    self._cut_heavy(i)
+        return deferred
+
+    def _cut_heavy(self, i: int) -> None:
+        """Cut heavy item ``i``, which fits neither side whole: one side takes the piece that moves the fewest
+        rows (``_cheapest_cut``), the other the rest."""
+        item = self.pool.item(i)
         best = None
         for holder in (0, 1):  # the side that will not hold the item's last token
             cut = self._cheapest_cut(holder, i + 1, item, best[0] if best and self.rounds == 1 else None)
@@ -451,7 +483,6 @@ class _Bisection:
         self.cut.add(item.doc)
         self.put(holder, (item.sub(p, p + tau),))
         self.put(1 - holder, (item.sub(0, p), item.sub(p + tau, item.length)))
-        return True
 
     def _cheapest_cut(self, holder: int, i: int, item: _Item, beat: Optional[int]) -> Optional[Tuple[int, int]]:
         """Cut of ``item`` giving ``holder`` a piece ``[p, p + tau)`` and the other side the rest (with the last
@@ -497,18 +528,22 @@ class _Bisection:
 
     def place_light(self, i: int) -> None:
         """Deal ``items[i:]``: the left side takes a run of whole items matching its missing area (step 4), with
-        numpy ops over the run (a batch's short documents are many)."""
+        numpy ops over the run (a batch's short documents are many), or, for at most ``_LISTED`` items, Python
+        lists (a small bisection's numpy calls would cost more than the rest of it; the same rules and results)."""
         pool, room = self.pool, self.room[0]
         n = len(pool)
-        sel = pool.sel
+        listed = n - i <= _LISTED
+        if listed and not pool.listed:
+            pool.as_lists()
+        sel = pool.sel.tolist() if listed else pool.sel
         if room == 0 or i == n:
-            self.put(1, (sel[i:],))
+            self.put(1, sel[i:] if listed else (sel[i:],))
             return
         if room >= pool.size(i):
-            self.put(0, (sel[i:],))
+            self.put(0, sel[i:] if listed else (sel[i:],))
             return
-        lengths, tokens = pool.length_array, pool.tokens
-        taken = np.zeros(n, dtype=bool)
+        lengths, tokens = pool.lengths if listed else pool.length_array, pool.tokens
+        taken = [False] * n if listed else np.zeros(n, dtype=bool)
         # The shortest items (2 % of the tokens) are shared in proportion to the rooms: both sides keep short
         # documents for filling their bins exactly at the next level. They are the longest suffix within the
         # share (suffix token counts fall with the start; an int is within a float iff within its floor),
@@ -518,7 +553,7 @@ class _Bisection:
         shares0 = shares1 = 0
         room1 = self.room[1]
         tiny_taken = []
-        for length in reversed(lengths[t:].tolist()):
+        for length in reversed(lengths[t:] if listed else lengths[t:].tolist()):
             if shares0 * room1 <= shares1 * room and shares0 + length <= room:
                 shares0 += length
                 tiny_taken.append(True)
@@ -527,7 +562,10 @@ class _Bisection:
                 tiny_taken.append(False)
         taken[t:] = tiny_taken[::-1]
         gap = room - shares0
-        target = self.missing[0] - int(pool.item_area_array[t:][taken[t:]].sum())
+        if listed:
+            target = self.missing[0] - sum(a for a, k in zip(pool.item_areas[t:], tiny_taken[::-1]) if k)
+        else:
+            target = self.missing[0] - int(pool.item_area_array[t:][taken[t:]].sum())
         # Start of the run over items[i:t]: the window of `gap` tokens starting at item j has an area decreasing in j.
         last = pool.search(int(tokens[t]) - gap, "right") - 1  # latest start with `gap` tokens before t
         last = max(i, min(last, t - 1))
@@ -543,36 +581,47 @@ class _Bisection:
         j = lo if abs(window(lo) - target) <= abs(window(hi) - target) else hi
         # The run: items j, j + 1, ... while each fits the gap left, i.e. while the run's tokens stay within it.
         k = min(t, pool.search(int(tokens[j]) + gap, "right") - 1)
-        taken[j:k] = True
+        taken[j:k] = [True] * (k - j) if listed else True
         gap -= int(tokens[k]) - int(tokens[j])
         if gap:  # close the gap with the longest items left that fit (the run may have used the shortest)
             gap = _close_gap(lengths, taken, i, gap)
         if gap:  # or exchange items: one or two untaken ones in, one or two taken ones out, `gap` tokens more
-            limit = self.config.exchange
-            inside, outside = np.flatnonzero(taken[i:]) + i, np.flatnonzero(~taken[i:]) + i
-            # The shortest `limit` of each, in (length, index) order.
-            inside = inside[np.argsort(lengths[inside], kind="stable")[:limit]].tolist()
-            outside = outside[np.argsort(lengths[outside], kind="stable")[:limit]].tolist()
+            inside, outside = (_shortest_of(lengths, taken, i, flag, self.config.exchange) for flag in (True, False))
             gap = _exchange(inside, outside, {m: int(lengths[m]) for m in inside + outside}, taken, gap)
-        entries: List[List[_Entry]] = [[], []]
+        cut = None
         if gap:  # no combination fits: cut the shortest item left that is longer than the gap
-            cut = int(np.flatnonzero(~taken[i:] & (lengths[i:] > gap))[-1]) + i
+            if listed:
+                cut = max(m for m in range(i, n) if not taken[m] and lengths[m] > gap)
+            else:
+                cut = int(np.flatnonzero(~taken[i:] & (lengths[i:] > gap))[-1]) + i
             it = pool.item(cut)
             self.cut.add(it.doc)
-            for side, piece in ((0, it.sub(it.length - gap, it.length)), (1, it.sub(0, it.length - gap))):
-                before, after = np.arange(i, cut), np.arange(cut + 1, n)
-                keep = taken if side == 0 else ~taken
-                entries[side] = [sel[before[keep[i:cut]]], piece, sel[after[keep[cut + 1:]]]]
-        else:
-            entries = [[sel[i:][taken[i:]]], [sel[i:][~taken[i:]]]]
-        self.put(0, entries[0])
-        self.put(1, entries[1])
+            pieces = (it.sub(it.length - gap, it.length), it.sub(0, it.length - gap))
+        for side in (0, 1):
+            keep = side == 0  # the items of `side`: those taken (left) or not (right), in order, the piece in place
+            if listed:
+                entries = [sel[m] if m != cut else pieces[side] for m in range(i, n) if taken[m] == keep or m == cut]
+            elif cut is None:
+                entries = [sel[i:][taken[i:] == keep]]
+            else:
+                entries = [sel[i:cut][taken[i:cut] == keep], pieces[side], sel[cut + 1:][taken[cut + 1:] == keep]]
+            self.put(side, entries)
 
-    def sides(self) -> List[Tuple[np.ndarray, np.ndarray, np.ndarray, Dict[int, _Item]]]:
-        """Per side, what it received in order: doc / length / area int64 arrays and the pieces cut here by
-        position."""
+    def sides(self) -> List[Tuple[_Column, _Column, _Column, Dict[int, _Item]]]:
+        """Per side, what it received in order: doc / length / area columns and the pieces cut here by position.
+        A side of at most ``_LISTED`` items gets Python lists (the steps after it, ``mend_cuts`` and ``merged``,
+        then read it without numpy calls: a pure ring's bisections inside nodes are many and small); a larger one
+        int64 arrays."""
         items, out = self.items, []
         for entries in self.out:
+            if sum(len(e) if isinstance(e, np.ndarray) else 1 for e in entries) <= _LISTED:
+                if self._columns is None:
+                    self._columns = (items.doc.tolist(), items.length.tolist(), items.area.tolist())
+                entries = [k for e in entries for k in (e.tolist() if isinstance(e, np.ndarray) else (e,))]
+                out.append(tuple([getattr(e, f) if isinstance(e, _Item) else column[e] for e in entries]
+                                 for f, column in zip(("doc", "length", "area"), self._columns))
+                           + ({k: e for k, e in enumerate(entries) if isinstance(e, _Item)},))
+                continue
             chunks, run, pieces = [], [], {}
             size = 0
             for e in entries:
@@ -598,7 +647,7 @@ class _Bisection:
             out.append((doc, length, area, pieces))
         return out
 
-    def mend_cuts(self, sides: List[Tuple[np.ndarray, np.ndarray, np.ndarray, Dict[int, _Item]]]) -> None:
+    def mend_cuts(self, sides: List[Tuple[_Column, _Column, _Column, Dict[int, _Item]]]) -> None:
         """Undo cuts that only filled rooms: a document on both sides whose piece on one side is as long as a
         whole, uncut item on the other is reunited by swapping the two, when the areas stay within the slack.
         ``sides``: ``self.sides()``, changed in place."""
@@ -619,8 +668,13 @@ class _Bisection:
         by_length: List[dict] = [{}, {}]
         for side, places, lists in zip(sides, where, by_length):
             pieces = {k for ks in places.values() for k in ks}
-            at = np.flatnonzero(_among(side[1], lengths))
-            for k, length in zip(at.tolist(), side[1][at].tolist()):
+            if isinstance(side[1], list):
+                wanted = set(lengths)
+                at = [(k, length) for k, length in enumerate(side[1]) if length in wanted]
+            else:
+                at = np.flatnonzero(_among(side[1], lengths))
+                at = zip(at.tolist(), side[1][at].tolist())
+            for k, length in at:
                 if k not in pieces:
                     lists.setdefault(length, []).append(k)
 
@@ -655,17 +709,13 @@ class _Bisection:
                 self.missing[1 - home] += delta
                 break
 
-    def merged(self, side: Tuple[np.ndarray, np.ndarray, np.ndarray, Dict[int, _Item]]) -> _Items:
+    def merged(self, side: Tuple[_Column, _Column, _Column, Dict[int, _Item]]) -> _Items:
         """One item per document (what a pool holds): the uncut items in order, then the pieces of each
         document cut here (the only documents a side can hold several pieces of) as one item, adjacent ranges
         merged (few, contiguous segments)."""
         doc, length, area, pieces = side
         inherited = self.items.pieces
         kept = {d: r for d, r in inherited.items() if d not in self.cut} if self.cut else inherited
-        if not pieces:
-            return _Items(doc, length, area, kept)
-        uncut = np.ones(len(doc), dtype=bool)
-        uncut[list(pieces)] = False
         by_doc: dict = {}
         for k in sorted(pieces):
             by_doc.setdefault(pieces[k].doc, []).append(pieces[k])
@@ -681,29 +731,58 @@ class _Bisection:
                 else:
                     ranges.append([s, e])
             merged.append(_Item(d, tuple((s, e) for s, e in ranges)))
-        return _Items(*(np.concatenate([values[uncut], [getattr(it, f) for it in merged]])
-                        for values, f in ((doc, "doc"), (length, "length"), (area, "area"))),
-                      {**kept, **{it.doc: it.ranges for it in merged if not it.simple}})
+        columns = ((doc, "doc"), (length, "length"), (area, "area"))
+        if isinstance(doc, list):  # (``sides``: a side of items placed one by one)
+            arrays = [np.array([v for k, v in enumerate(values) if k not in pieces] + [getattr(it, f) for it in merged],
+                               dtype=np.int64) for values, f in columns]
+        elif pieces:
+            uncut = np.ones(len(doc), dtype=bool)
+            uncut[list(pieces)] = False
+            arrays = [np.concatenate([values[uncut], [getattr(it, f) for it in merged]]) for values, f in columns]
+        else:
+            return _Items(doc, length, area, kept)
+        return _Items(*arrays, {**kept, **{it.doc: it.ranges for it in merged if not it.simple}} if merged else kept)
 
 
-def _close_gap(lengths: np.ndarray, taken: np.ndarray, i: int, gap: int) -> int:
+def _close_gap(lengths: Union[np.ndarray, List[int]], taken: Union[np.ndarray, List[bool]], i: int, gap: int) -> int:
     """Take untaken items of ``i:`` (``taken`` updated) into a ``gap`` of tokens: the longest that fit first, by
-    decreasing length, then increasing index; of equal ones, as many as fit. Returns the gap left."""
-    fits = np.flatnonzero(~taken[i:] & (lengths[i:] <= gap)) + i
-    fits = fits[np.argsort(-lengths[fits], kind="stable")]
-    values = lengths[fits]
-    starts = np.flatnonzero(np.diff(values, prepend=-1)).tolist() + [len(fits)]
+    decreasing length, then increasing index; of equal ones, as many as fit. Returns the gap left. Arrays, or
+    Python lists for few items (``place_light``)."""
+    if isinstance(taken, list):
+        fits = [m for m in range(i, len(taken)) if not taken[m] and lengths[m] <= gap]
+        fits.sort(key=lambda m: -lengths[m])  # stable: ties by index
+        values = [lengths[m] for m in fits]
+        starts = [a for a in range(len(fits)) if a == 0 or values[a] != values[a - 1]] + [len(fits)]
+    else:
+        fits = np.flatnonzero(~taken[i:] & (lengths[i:] <= gap)) + i
+        fits = fits[np.argsort(-lengths[fits], kind="stable")]
+        values = lengths[fits]
+        starts = np.flatnonzero(np.diff(values, prepend=-1)).tolist() + [len(fits)]
     for a, b in zip(starts[:-1], starts[1:]):
         value = int(values[a])
         count = min(b - a, gap // value)
-        taken[fits[a:a + count]] = True
+        if isinstance(taken, list):
+            for m in fits[a:a + count]:
+                taken[m] = True
+        else:
+            taken[fits[a:a + count]] = True
         gap -= count * value
         if gap == 0:
             break
     return gap
 
 
-def _exchange(inside: List[int], outside: List[int], lengths: Dict[int, int], taken: np.ndarray, gap: int) -> int:
+def _shortest_of(lengths: Union[np.ndarray, List[int]], taken: Union[np.ndarray, List[bool]], i: int, flag: bool,
+                 count: int) -> List[int]:
+    """The ``count`` shortest items of ``i:`` whose ``taken`` is ``flag``, in (length, index) order."""
+    if isinstance(taken, list):
+        return sorted((m for m in range(i, len(taken)) if taken[m] == flag), key=lambda m: lengths[m])[:count]
+    at = np.flatnonzero(taken[i:] == flag) + i
+    return at[np.argsort(lengths[at], kind="stable")[:count]].tolist()
+
+
+def _exchange(inside: List[int], outside: List[int], lengths: Dict[int, int], taken: Union[np.ndarray, List[bool]],
+              gap: int) -> int:
     """Swap the shortest few items so that ``taken`` gains exactly ``gap`` tokens: u - t, u1 + u2 - t or
     u - t1 - t2 = gap (u: items not taken, t: taken; ``inside`` / ``outside``: the shortest taken / untaken items
     in (length, index) order; ``lengths``: theirs). Returns the gap left (0 on success)."""
@@ -827,15 +906,18 @@ def _exhaustive_bisection(items: List[_Item], rooms: Tuple[int, int], targets: T
 
 def _bisect_items(items: Union[_Items, Sequence[_Item]], rooms: Tuple[int, int], targets: Tuple[float, float],
                   between_nodes: bool, config: PlacementConfig = PlacementConfig(),
-                  slack: Optional[float] = None) -> List[_Items]:
+                  slack: Optional[float] = None, states: Optional[list] = None) -> List[_Items]:
     """Split ``items`` into two sides of exactly ``rooms`` tokens whose areas approach ``targets``.
     ``between_nodes``: the sides are groups of nodes, so short documents are not cut (inter-node traffic).
-    ``slack``: how far (a fraction of the smaller target) a side may miss its target; default ``config.slack``."""
+    ``slack``: how far (a fraction of the smaller target) a side may miss its target; default ``config.slack``.
+    ``states``: where given, the bisection's ``_Bisection`` is appended to it (whether it read its slack)."""
     items = _as_items(items)
     if rooms[0] == 0 or rooms[1] == 0:
         empty = items.take(np.zeros(0, dtype=np.int64))
         return [items, empty] if rooms[1] == 0 else [empty, items]
     state = _Bisection(items, rooms, targets, config, between_nodes, slack)
+    if states is not None:
+        states.append(state)
     if between_nodes and len(items) <= config.exhaustive:
         found = _exhaustive_bisection(items.items(), rooms, targets, state.slack, config.visits)
         if found is not None:
@@ -848,7 +930,7 @@ def _bisect_items(items: Union[_Items, Sequence[_Item]], rooms: Tuple[int, int],
     if end > 64 or len(pool) <= 4096:  # many scalar reads, or few items: Python lists are faster
         pool.as_lists()
     short = max(int(config.short * min(rooms)), config.short_tokens) if between_nodes else 0
-    deferred = [k for k in range(end) if not state.place_heavy(k, short)]
+    deferred = state.place_heavy(end, short)
     if deferred:  # one light pool in density order again (the deferred items come before the rest in it)
         state.pool = _Pool(state.items, np.concatenate([np.array(deferred, dtype=np.int64), pool.sel[end:]]))
         end = 0
@@ -858,11 +940,16 @@ def _bisect_items(items: Union[_Items, Sequence[_Item]], rooms: Tuple[int, int],
     sides = [state.merged(side) for side in placed]
     # Greedy sides off their targets by more than the slack are searched again, inside a node too (a member 10 %
     # over its share on a lognormal batch in a pure ring of 8 x 8); between nodes, so are several cuts.
-    missed = abs(sides[0].total_area() - targets[0]) > state.slack
+    # The slack is read (``_Bisection.slack``: ``_split``'s memo) only where the error is above the least slack any
+    # pass gives, ``config.slack``: below it, no pass finds the sides off their targets.
+    error, least = abs(sides[0].total_area() - targets[0]), config.slack * min(targets) + 1e-5 * (sum(targets) + 1.0)
+    missed = error > state.slack if error > least or state._slack < least else False
     if not between_nodes and not missed:
         return sides
     # The documents on both sides: only ones cut here can be.
     cut = sorted({it.doc for it in placed[0][3].values()} & {it.doc for it in placed[1][3].values()})
+    if len(cut) < (1 if missed else 2) or len(cut) > config.reopened - 2:  # (state.slack not read: see above)
+        return sides
     return _reopened(items, sides, cut, rooms, targets, state.slack, config, missed)
 
 
@@ -896,9 +983,7 @@ def _reopened(items: _Items, sides: List[_Items], cut: List[int], rooms: Tuple[i
     go whole to which side and which one is cut (on the bimodal mix, the few documents of 64K-512K tokens decide
     the traffic). After a single cut within the slack the search saved ~0.1-0.5 % of the rows at up to 2.5 ms
     per 1M-token plan (docs/sequence_aware.md), so it runs after one cut only where the greedy steps missed.
-    ``cut``: the documents on both sides."""
-    if len(cut) < (1 if missed else 2) or len(cut) > config.reopened - 2:
-        return sides
+    ``cut``: the documents on both sides (at least 2, or 1 where ``missed``; at most ``config.reopened - 2``)."""
     # The heaviest uncut items of both sides, by decreasing area (ties: left side first, then position).
     uncut = [np.flatnonzero(~_among(side.doc, cut)) for side in sides]
     heaviest = min(config.heaviest, config.reopened) - len(cut)
@@ -947,7 +1032,7 @@ def _shortest(lengths: np.ndarray, count: int) -> np.ndarray:
 
 
 def _split(items: Union[_Items, Sequence[_Item]], groups: list, caps: Sequence[int], targets: Sequence[float], config: PlacementConfig,
-           node_slack: float, budget: Optional[float] = None) -> List[_Items]:
+           node_slack: float, memo: Optional[dict] = None, budget: Optional[float] = None) -> List[_Items]:
     """Recursive bisection over a tree of bins: ``groups`` is a bin index or a list of subtrees; bisections
     inside a node may miss their targets by ``config.slack`` (a fraction), those between nodes by ``node_slack``
     when it is ``config.slack`` (``"tight"``), else by what is left of a budget (``_node_slack``).
@@ -956,16 +1041,23 @@ def _split(items: Union[_Items, Sequence[_Item]], groups: list, caps: Sequence[i
     is shared by all the bins below it instead of landing on the last bin split (a node slightly over its
     target made one of its members several times as far over). ``budget``: how far over its share (a factor)
     the bisections between nodes of this subtree may put a node; ``None`` at the root, ``(1 + node_slack) **
-    levels``."""
+    levels``.
+
+    ``memo``: the bisections of earlier passes of the same placement (``sequence_aware_table`` plans again with
+    less slack between nodes), by group. A bisection given the same items and targets as before, and the same
+    slack or one it never read (nothing inside a node reads ``node_slack``), splits them the same way: its sides
+    are reused instead of planned again, and the groups below it then find theirs too."""
     items = _as_items(items)
     if isinstance(groups, int):
         return [items]
     if len(groups) == 1:
-        return _split(items, groups[0], caps, targets, config, node_slack, budget)
+        return _split(items, groups[0], caps, targets, config, node_slack, memo, budget)
     half = len(groups) // 2
     left, right = groups[:half], groups[half:]
     lb, rb = _leaves(left), _leaves(right)
     between_nodes = not isinstance(groups[0], int)
+    rooms = (sum(caps[b] for b in lb), sum(caps[b] for b in rb))
+    wanted = (sum(targets[b] for b in lb), sum(targets[b] for b in rb))
     slack = config.slack
     if between_nodes and node_slack > config.slack:
         levels = _depth(len(groups))
@@ -973,19 +1065,36 @@ def _split(items: Union[_Items, Sequence[_Item]], groups: list, caps: Sequence[i
         slack = _node_slack(budget, levels, config.slack)
     elif between_nodes:
         slack = node_slack
-    sides = _bisect_items(items, (sum(caps[b] for b in lb), sum(caps[b] for b in rb)),
-                          (sum(targets[b] for b in lb), sum(targets[b] for b in rb)), between_nodes, config, slack)
+    key = (tuple(lb), tuple(rb))
+    seen = memo.get(key) if memo is not None else None
+    if seen is not None and seen[1] == wanted and (seen[2] == slack or not seen[3]) and _same_items(seen[0], items):
+        sides = seen[4]
+    else:
+        states: list = []
+        sides = _bisect_items(items, rooms, wanted, between_nodes, config, slack, states)
+        if memo is not None:
+            memo[key] = (items, wanted, slack, any(state.slack_read for state in states), sides)
     scaled, budgets = list(targets), [budget, budget]
-    for s, (side, leaves) in enumerate(zip(sides, (lb, rb))):
-        wanted = sum(targets[b] for b in leaves)
-        if wanted > 0:
-            factor = side.total_area() / wanted
+    for s, (side, leaves, side_target) in enumerate(zip(sides, (lb, rb), wanted)):
+        if side_target > 0:
+            factor = side.total_area() / side_target
             for b in leaves:
                 scaled[b] = targets[b] * factor
             if budget is not None and factor > 0:
                 budgets[s] = budget / factor  # what is left to the levels below: a side under its target has more
-    return (_split(sides[0], left, caps, scaled, config, node_slack, budgets[0])
-            + _split(sides[1], right, caps, scaled, config, node_slack, budgets[1]))
+    return (_split(sides[0], left, caps, scaled, config, node_slack, memo, budgets[0])
+            + _split(sides[1], right, caps, scaled, config, node_slack, memo, budgets[1]))
+
+
+def _same_items(a: _Items, b: _Items) -> bool:
+    """Whether two groups of items are the same items in the same order (ranges of cut documents included)."""
+    if a is b:
+        return True
+    if len(a) != len(b) or not all(np.array_equal(getattr(a, f), getattr(b, f)) for f in ("doc", "length", "area")):
+        return False
+    keys = set(a.pieces) | set(b.pieces)
+    present = a.doc[_among(a.doc, keys)].tolist() if keys else []
+    return all(a.pieces.get(d) == b.pieces.get(d) for d in present)
 
 
 def _node_slack(budget: float, levels: int, floor: float) -> float:
@@ -1084,31 +1193,38 @@ def sequence_aware_table(doc_lengths: Sequence[int], *, ring_size: int, ulysses_
     # Planned with the widest slack first; kept when every member's attention is within the target of its own
     # (equal targets without padding: the attention imbalance), else planned again with the next slack (when
     # none meets it, the one closest to it is kept).
-    best = None
+    best, memo = None, {}
     for slack in _node_slacks(config, len(nodes), min(ring_members_per_node, ring_size)):
-        members = _split(docs, nodes, caps, targets, config, slack)
+        members = _split(docs, nodes, caps, targets, config, slack, memo)
         worst = max((items.total_area() / t for items, t in zip(members, targets) if t > 0), default=1.0)
         if best is None or worst < best[0]:
             best = (worst, members)
         if worst <= config.attention_target:
             break
     members = best[1]
-    # Each member's stream: its documents in index order (one item each), each item's ranges in order.
-    streams = []
-    for m, items in enumerate(members):
-        order = np.argsort(items.doc)
-        doc, start, end = items.doc[order], np.zeros(len(items), dtype=np.int64), items.length[order]
-        at = np.flatnonzero(_among(doc, items.pieces)) if items.pieces else ()
-        if len(at):  # an item cut above: a row per range
-            ranges = [items.pieces[d] for d in doc[at].tolist()]
-            count = np.ones(len(doc), dtype=np.int64)
-            count[at] = [len(r) for r in ranges]
-            first = np.cumsum(count) - count
-            doc, start, end = np.repeat(doc, count), np.repeat(start, count), np.repeat(end, count)
-            rows = np.concatenate([np.arange(f, f + len(r)) for f, r in zip(first[at].tolist(), ranges)])
-            start[rows], end[rows] = np.array([r for rs in ranges for r in rs], dtype=np.int64).T
-        streams.append((np.full(len(doc), m), doc, start, end))
-    member, doc, start, end = (np.concatenate(a) for a in zip(*streams))
+    # Each member's stream: its documents in index order (one item each), each item's ranges in order; all members'
+    # items as one array (a member's documents are distinct: the order is unique).
+    member = np.repeat(np.arange(len(members)), [len(items) for items in members])
+    doc, length = (np.concatenate([getattr(items, f) for items in members]) for f in ("doc", "length"))
+    ranges = {}  # row in `doc` -> ranges of an item cut above
+    orders, first = [], 0
+    for items in members:
+        orders.append(np.argsort(items.doc) + first)  # (per member: one sort of many small ones is slower)
+        if items.pieces:
+            for k in np.flatnonzero(_among(items.doc, items.pieces)).tolist():
+                ranges[first + k] = items.pieces[int(items.doc[k])]
+        first += len(items)
+    order = np.concatenate(orders)
+    member, doc, start, end = member[order], doc[order], np.zeros(len(doc), dtype=np.int64), length[order]
+    if ranges:  # a row per range
+        at = np.flatnonzero(np.isin(order, list(ranges)))
+        cut = [ranges[k] for k in order[at].tolist()]
+        count = np.ones(len(doc), dtype=np.int64)
+        count[at] = [len(r) for r in cut]
+        first_row = np.cumsum(count) - count
+        member, doc, start, end = (np.repeat(a, count) for a in (member, doc, start, end))
+        rows = np.concatenate([np.arange(f, f + len(r)) for f, r in zip(first_row[at].tolist(), cut)])
+        start[rows], end[rows] = np.array([r for rs in cut for r in rs], dtype=np.int64).T
     return split_streams(member, doc, start, end, ulysses_size, tokens_per_rank)
 
 

@@ -58,7 +58,8 @@ class PlanCache(Generic[Value]):
     """At most ``max_bytes`` of values (``size_of`` each) and, if given, ``maxsize`` entries; ``put`` beyond
     either evicts the least recently used (read or written) entries.
 
-    ``hits`` / ``misses`` count ``get`` calls (tests and benchmarks read them)."""
+    ``hits`` / ``misses`` count ``get`` calls, ``evictions`` the entries dropped for the bounds (the training
+    script's closing line reports them)."""
 
     def __init__(self, maxsize: Optional[int] = None, max_bytes: Optional[int] = None,
                  size_of: Callable[[Any], int] = approximate_bytes) -> None:
@@ -73,6 +74,7 @@ class PlanCache(Generic[Value]):
         self.bytes = 0
         self.hits = 0
         self.misses = 0
+        self.evictions = 0
         self._entries: "OrderedDict[Hashable, Value]" = OrderedDict()
         self._sizes: Dict[Hashable, int] = {}
         self._lock = threading.Lock()
@@ -123,6 +125,7 @@ class PlanCache(Generic[Value]):
         while (self.maxsize is not None and len(self._entries) > self.maxsize) or \
                 (self.max_bytes is not None and self.bytes > self.max_bytes):
             self._drop(next(iter(self._entries)))
+            self.evictions += 1
 
     def _drop(self, key: Hashable) -> None:
         if key in self._entries:
@@ -141,4 +144,4 @@ class PlanCache(Generic[Value]):
             self._entries.clear()
             self._sizes.clear()
             self.bytes = 0
-            self.hits = self.misses = 0
+            self.hits = self.misses = self.evictions = 0

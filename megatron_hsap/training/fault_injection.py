@@ -75,6 +75,10 @@ def inject(point: str, iteration: int, model: Optional[List[Any]] = None, loss_m
         elif kind == "raise":
             raise RuntimeError(f"{ENV}: injected exception in the forward step of iteration {iteration}")
         elif kind in ("SIGTERM", "SIGUSR1", "SIGINT"):
+            if kind == "SIGINT" and signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+                # Started in the background (``cmd &`` in a script), a process inherits SIGINT ignored and Python
+                # keeps it so; a Ctrl-C reaches a foreground process, where Python raises KeyboardInterrupt.
+                signal.signal(signal.SIGINT, signal.default_int_handler)
             os.kill(os.getpid(), getattr(signal, kind))
         elif kind.startswith("parent-"):
             os.kill(os.getppid(), getattr(signal, kind.split("-")[1]))

@@ -39,9 +39,10 @@ from megatron_hsap.megatron.activation_offload import HostOffload, saved_activat
 from megatron_hsap.training import fault_injection, progress
 from megatron_hsap.training.arguments import cp_config_from_args
 from megatron_hsap.training.iteration_log import IterationLogger, IterationRecord, peak_memory_bytes
+from megatron_hsap.sequence.plan import PLAN_CACHE
 from megatron_hsap.sequence.prefetch import plan_ahead
 from megatron_hsap.training.packing import PackedMicroBatch, document_cu_seqlens, pack_micro_batch
-from megatron_hsap.training.plan_summary import PlanSummary
+from megatron_hsap.training.plan_summary import PlanSummary, plan_cache_line
 from megatron_hsap.training.plan_workers import plan_in_workers
 from megatron_hsap.training.startup import configuration_lines
 
@@ -219,8 +220,6 @@ def pretrain(args: argparse.Namespace) -> List[IterationRecord]:
     from megatron_hsap.parallel_state import destroy_model_parallel
     from megatron_hsap.training.preemption import ExitSignalHandler
 
-    from megatron_hsap.sequence.plan import PLAN_CACHE
-
     started = time.time()
     signals = ExitSignalHandler(args.exit_signal) if args.exit_signal_handler else None
     PLAN_CACHE.set_max_bytes(int(args.plan_cache_mb * (1 << 20)))  # before the data-loader workers fork
@@ -317,6 +316,7 @@ def _train(args: argparse.Namespace, signals: Any, started: float) -> List[Itera
         run.log.info(f"done: lm loss {records[0].loss:.4f} (iteration {records[0].iteration}) -> "
                      f"{records[-1].loss:.4f} (iteration {records[-1].iteration})")
     if run.plan_summary is not None and run.plan_summary.run.planned.micro_batches:
+        run.log.info(plan_cache_line(PLAN_CACHE))
         run.log.info(run.plan_summary.run.line())
     run.log.close()
     return records

@@ -21,8 +21,9 @@ from typing import Dict, Optional
 import torch
 
 from megatron_hsap.sequence.plan import BatchPlan, plan_batch
+from megatron_hsap.sequence.plan_cache import PlanCache
 
-__all__ = ["PlanFigures", "PlanTotals", "PlanSummary", "plan_figures"]
+__all__ = ["PlanFigures", "PlanTotals", "PlanSummary", "plan_figures", "plan_cache_line"]
 
 BASELINE_LAYOUT = "zigzag"
 
@@ -148,3 +149,12 @@ class PlanSummary:
         """Totals since the previous call (None if no micro-batch was added), then starts a new interval."""
         interval, self._interval = self._interval, PlanTotals(self.layout)
         return interval if interval.planned.micro_batches else None
+
+
+def plan_cache_line(cache: PlanCache) -> str:
+    """One log line on this process's plan cache: how often a plan was found instead of made, what it holds
+    against its budget (``--plan-cache-mb``) and how many plans the budget pushed out."""
+    lookups = cache.hits + cache.misses
+    budget = "no byte bound" if cache.max_bytes is None else f"{cache.max_bytes / (1 << 20):.2f} MiB (--plan-cache-mb)"
+    return (f"plan cache of rank 0's training process: {cache.hits} of {lookups} lookups found a plan | holds "
+            f"{len(cache)} plans, {cache.bytes / 1024:.1f} KiB of {budget} | {cache.evictions} evicted")
