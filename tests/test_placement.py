@@ -613,8 +613,9 @@ def test_few_items_between_nodes_are_split_by_trying_every_subset() -> None:
 
 def test_cuts_of_the_greedy_bisection_are_searched_again() -> None:
     # Between nodes, a bisection too large for every subset is split by the greedy steps; the documents they cut
-    # and the shortest items are then searched again over every subset (`_reopened`), kept only when fewer rows
-    # move: never more rows than the greedy steps, exact rooms and the slack kept when kept, fewer rows in all.
+    # and the heaviest and shortest items are then searched again over every subset (`_reopened`), kept only when
+    # fewer rows move, or when the greedy sides missed the slack: never more rows than the greedy steps within the
+    # slack, exact rooms and the slack kept when kept, fewer rows in all.
     rng = random.Random(5)
     reopened = greedy = kept = 0
     for _ in range(40):
@@ -629,10 +630,11 @@ def test_cuts_of_the_greedy_bisection_are_searched_again() -> None:
         sides = placement_module._bisect_items(items, rooms, targets, True)
         plain = placement_module._bisect_items(items, rooms, targets, True, PlacementConfig(reopened=0))
         rows, plain_rows = placement_module._cut_rows(sides), placement_module._cut_rows(plain)
-        assert rows <= plain_rows
-        if rows < plain_rows:
+        slack = placement_module._Bisection(items, rooms, targets, PlacementConfig(), True).slack
+        missed = abs(plain[0].total_area() - targets[0]) > slack
+        assert rows <= plain_rows or missed
+        if rows < plain_rows or (missed and rows != plain_rows):
             kept += 1
-            slack = placement_module._Bisection(items, rooms, targets, PlacementConfig(), True).slack
             assert [sum(it.length for it in side) for side in sides] == list(rooms)
             for side, target in zip(sides, targets):
                 assert abs(sum(it.area for it in side) - target) <= slack
@@ -815,3 +817,73 @@ def test_attention_targets_are_equal_shares_within_what_each_member_can_hold(see
     # The unbounded members get one equal share, no less than any bounded one.
     level = max(targets)
     assert all(t == r or abs(t - level) <= 1e-9 * area for t, r in zip(targets, reach))
+
+
+# ---- issue 31, traffic: heavy documents searched again, the slack budget spent level by level ---------------------
+
+@pytest.mark.parametrize("lengths", [
+    [18, 1, 1, 22, 1, 1, 22, 1, 1, 2, 1, 1, 2, 1, 2, 1],
+    [2, 1, 1, 1, 2, 2, 2, 23, 21, 1, 2, 1, 1, 1, 2, 23],
+])
+def test_a_single_greedy_cut_is_searched_again_with_the_heavy_documents(lengths: List[int]) -> None:
+    """Two nodes, three heavy documents among short ones (too many items for every subset at once): the greedy
+    steps place the heavy documents one by one and cut the one that fits neither side at its cheapest cut given
+    the others; searched again with the heavy documents free (which stay whole where, which is cut), the plan
+    meets the attention target and moves exactly the fewest rows any placement within it can
+    (``fewest_rows_two_nodes``). The greedy cut alone moved 17 and 20 rows at 1.17 and 1.20 x the mean
+    attention (no slack left it within the target)."""
+    assert len(lengths) > PlacementConfig().exhaustive
+    plan = plan_batch(cu_seqlens_from_lengths(lengths), CPTopology.offline(2, 1, 1), "sequence-aware")
+    stats = plan.stats(1, 1, 1, torch.float32)
+    assert stats.flops_imbalance <= 1.02
+    optimum = analysis_module.fewest_rows_two_nodes(lengths, plan.tokens_per_rank, 1.02)
+    assert optimum is not None and sum(stats.recv_bytes_inter_forwarded) // 8 == optimum
+
+
+@pytest.mark.parametrize("ring,ulysses,per_node", [(4, 8, 1), (16, 1, 4)])
+@pytest.mark.parametrize("seed,yardstick", [(2, 1.15), (3, 1.10)])
+def test_bimodal_heavy_documents_on_four_nodes_move_within_the_yardstick_of_the_bound(
+        seed: int, yardstick: float, ring: int, ulysses: int, per_node: int) -> None:
+    """1M-token bimodal batches on 4 nodes, hybrid and a pure ring of 16 (seed 2: documents of 422K, 342K, 110K and
+    100K tokens among short ones; seed 3: 486K, 474K and 72K): the rows crossing nodes are within 1.15 x the valid
+    lower bound at the attention target (tools/plan_report.py's yardstick), 1.10 x on seed 3; attention within
+    1.02. The greedy cuts searched again without the heavy documents moved 1.22 x on seed 2 (and the placement
+    before this round 1.16 x on seed 3); the slack shared equally by the two levels between nodes 1.14 x on
+    seed 3."""
+    lengths = bimodal_doc_lengths(1 << 20, seed=seed)
+    topo = CPTopology.offline(ring * ulysses, ulysses, per_node * ulysses)
+    plan = plan_batch(cu_seqlens_from_lengths(lengths), topo, "sequence-aware")
+    stats = plan.stats(8, 8, 1, torch.float32)  # a row: k and v of 8 heads of 1 fp32
+    assert stats.flops_imbalance <= 1.02
+    bound = inter_node_rows_lower_bound(lengths, 4, 1.02, plan.tokens_per_rank * per_node * ulysses)
+    assert bound > 0 and sum(stats.recv_bytes_inter_forwarded) // 64 <= yardstick * bound
+
+
+def test_node_slack_spends_the_budget_first_and_leaves_the_floor_below() -> None:
+    """The first bisection between nodes takes the whole budget but ``slack`` per level below, so the levels
+    below can still place documents whole, and their errors compound to at most the budget."""
+    floor = PlacementConfig().slack
+    for budget, levels in [(1.02, 1), (1.02, 2), (1.017, 3), (1.0005, 2)]:
+        first = placement_module._node_slack(budget, levels, floor)
+        assert first >= floor
+        if budget >= (1 + floor) ** levels:
+            assert (1 + first) * (1 + floor) ** (levels - 1) == pytest.approx(budget)
+    assert placement_module._node_slack(1.02, 1, floor) == pytest.approx(0.02)
+
+
+def test_an_inside_node_bisection_off_its_slack_is_searched_again() -> None:
+    """The 13 items two ring members of one node split on a lognormal batch (seed 0, 1M tokens, pure ring of 8 x 8):
+    the greedy steps missed the targets by 10.2 % (the placement then planned the batch twice more with less slack
+    between nodes); searched again like a bisection between nodes, both sides are within the slack, rooms exact."""
+    ranges = [((0, 126), (15804, 26059)), ((0, 964),), ((0, 847),), ((0, 750),), ((0, 613),), ((0, 611),),
+              ((0, 590),), ((0, 588),), ((0, 485),), ((0, 477),), ((16094, 21102),), ((0, 628), (18369, 28896)),
+              ((1, 300),)]
+    docs = [37, 121, 39, 50, 19, 57, 65, 119, 96, 17, 94, 44, 97]
+    items = [placement_module._Item(d, r) for d, r in zip(docs, ranges)]
+    area = sum(it.area for it in items)
+    rooms, targets = (16384, 16384), (area / 2, area / 2)
+    slack = placement_module._Bisection(items, rooms, targets, PlacementConfig(), False).slack
+    sides = placement_module._bisect_items(items, rooms, targets, False)
+    assert [int(side.length.sum()) for side in sides] == list(rooms)
+    for side, target in zip(sides, targets):
+        assert abs(side.total_area() - target) <= slack

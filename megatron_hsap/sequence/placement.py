@@ -31,7 +31,7 @@ docs/sequence_aware.md has the full argument; in short, one bisection:
    side, with at most one cut, and keeps the one moving the fewest rows (``_exhaustive_bisection``):
    the greedy steps cut at the cheapest cut *given the items placed so far*, which leaves a side at
    the edge of feasibility and forces further cuts. A larger bisection between nodes that the greedy
-   steps cut several times is searched again the same way over the documents they cut and the
+   steps cut is searched again the same way over the documents they cut, the heaviest and the
    shortest items (``_reopened``), kept when it moves fewer rows.
 
 A bisection's items are numpy arrays (``_Items``: one row per document; only pieces of cut documents carry ranges)
@@ -956,13 +956,19 @@ def _bisect_items(items: Union[_Items, Sequence[_Item]], rooms: Tuple[int, int],
     placed = state.sides()
     state.mend_cuts(placed)
     sides = [state.merged(side) for side in placed]
-    if not between_nodes:
+    # Greedy sides off their targets by more than the slack are searched again, inside a node too (a member 10 %
+    # over its share on a lognormal batch in a pure ring of 8 x 8); between nodes, so are several cuts.
+    # The slack is read (``_Bisection.slack``: ``_split``'s memo) only where the error is above the least slack any
+    # pass gives, ``config.slack``: below it, no pass finds the sides off their targets.
+    error, least = abs(sides[0].total_area() - targets[0]), config.slack * min(targets) + 1e-5 * (sum(targets) + 1.0)
+    missed = error > state.slack if error > least or state._slack < least else False
+    if not between_nodes and not missed:
         return sides
     # The documents on both sides: only ones cut here can be.
     cut = sorted({it.doc for it in placed[0][3].values()} & {it.doc for it in placed[1][3].values()})
-    if len(cut) < 2 or len(cut) > config.reopened - 2:  # a single cut: a few rows to save (~100 on the buckets)
+    if len(cut) < (1 if missed else 2) or len(cut) > config.reopened - 2:  # (state.slack not read: see above)
         return sides
-    return _reopened(items, sides, cut, rooms, targets, state.slack, config)
+    return _reopened(items, sides, cut, rooms, targets, state.slack, config, missed)
 
 
 def _cut_rows(sides: Sequence[Union[_Items, Sequence[_Item]]], docs: Optional[Sequence[int]] = None) -> int:
@@ -979,25 +985,42 @@ def _cut_rows(sides: Sequence[Union[_Items, Sequence[_Item]]], docs: Optional[Se
 
 
 def _reopened(items: _Items, sides: List[_Items], cut: List[int], rooms: Tuple[int, int],
-              targets: Tuple[float, float], slack: float, config: PlacementConfig) -> List[_Items]:
-    """The greedy bisection's cuts searched again: the documents it cut, whole, and the shortest whole items of
-    each side (alternately, ``config.reopened`` items in all) are split again over every subset
-    (``_exhaustive_bisection``), the other items staying where they are; kept when it moves fewer rows.
+              targets: Tuple[float, float], slack: float, config: PlacementConfig,
+              missed: bool = False) -> List[_Items]:
+    """The greedy bisection's cuts searched again (between nodes; inside a node only where it ``missed``): the
+    documents it cut, whole, the heaviest whole items (by area; with the cut documents, ``config.heaviest`` in
+    all) and the shortest whole items of each side (alternately, ``config.reopened`` items in all) are split
+    again over every subset (``_exhaustive_bisection``), the other items staying where they are; kept when it
+    moves fewer rows, or when the greedy sides ``missed`` their targets by more than the slack (the search's are
+    within it).
 
     A greedy cut leaves its holder at the edge of feasibility, so the items placed after it are cut too (three
     cuts in one bisection of two nodes, where one would do); the short items give the search the token counts
-    and areas to fill the rooms exactly around a single cut. After a single greedy cut the search saved little of
-    the rows it saves after several, at most of its time (tools/plan_report.py measures both). ``cut``: the
-    documents on both sides (at least 2, at most ``config.reopened - 2``)."""
-    wanted = config.reopened - len(cut)
-    # Per side, its uncut items by increasing length (ties in the side's order): the first `wanted` can be moved.
+    and areas to fill the rooms exactly around a single cut. Each greedy cut is the cheapest *given the heavy
+    items placed before it*: with the heaviest items free as well, the search also chooses which heavy documents
+    go whole to which side and which one is cut (on the bimodal mix, the few documents of 64K-512K tokens decide
+    the traffic). After a single cut within the slack the search saved ~0.1-0.5 % of the rows at up to 2.5 ms
+    per 1M-token plan (docs/sequence_aware.md), so it runs after one cut only where the greedy steps missed.
+    ``cut``: the documents on both sides (at least 2, or 1 where ``missed``; at most ``config.reopened - 2``)."""
+    # The heaviest uncut items of both sides, by decreasing area (ties: left side first, then position).
+    uncut = [np.flatnonzero(~_among(side.doc, cut)) for side in sides]
+    heaviest = min(config.heaviest, config.reopened) - len(cut)
+    chosen: List[Tuple[int, int]] = []
+    if heaviest > 0:
+        areas = np.concatenate([side.area[u] for side, u in zip(sides, uncut)])
+        owner = np.repeat([0, 1], [len(u) for u in uncut])
+        position = np.concatenate(uncut)
+        top = np.lexsort((position, owner, -areas))[:heaviest]
+        chosen = list(zip(owner[top].tolist(), position[top].tolist()))
+    wanted = config.reopened - len(cut) - len(chosen)
+    # Per side, its other uncut items by increasing length (ties in the side's order): the first `wanted` can move.
     shortest = []
-    for side in sides:
-        uncut = np.flatnonzero(~_among(side.doc, cut))
-        shortest.append(uncut[_shortest(side.length[uncut], wanted)].tolist())
+    for s, (side, u) in enumerate(zip(sides, uncut)):
+        u = np.setdiff1d(u, [k for t, k in chosen if t == s], assume_unique=True)
+        shortest.append(u[_shortest(side.length[u], wanted)].tolist())
     alternate = [(s, k) for pair in zip_longest(*shortest) for s, k in zip((0, 1), pair) if k is not None][:wanted]
     free = [items.item(k) for k in np.flatnonzero(_among(items.doc, cut)).tolist()]
-    free += [sides[s].item(k) for s, k in alternate]
+    free += [sides[s].item(k) for s, k in chosen + alternate]
     moved = np.array(sorted(it.doc for it in free), dtype=np.int64)
     fixed = [side.take(np.flatnonzero(~_among(side.doc, moved))) for side in sides]
     found = _exhaustive_bisection(free, tuple(r - int(f.length.sum()) for r, f in zip(rooms, fixed)),
@@ -1008,7 +1031,7 @@ def _reopened(items: _Items, sides: List[_Items], cut: List[int], rooms: Tuple[i
     for f, side in zip(fixed, found):
         side = _Items.of(side)
         joined.append(_concat([f, side], {**{d: r for d, r in f.pieces.items() if d not in moved}, **side.pieces}))
-    return joined if _cut_rows(joined, moved) < _cut_rows(sides, cut) else sides
+    return joined if missed or _cut_rows(joined, moved) < _cut_rows(sides, cut) else sides
 
 
 def _shortest(lengths: np.ndarray, count: int) -> np.ndarray:
@@ -1027,13 +1050,16 @@ def _shortest(lengths: np.ndarray, count: int) -> np.ndarray:
 
 
 def _split(items: Union[_Items, Sequence[_Item]], groups: list, caps: Sequence[int], targets: Sequence[float], config: PlacementConfig,
-           node_slack: float, memo: Optional[dict] = None) -> List[_Items]:
+           node_slack: float, memo: Optional[dict] = None, budget: Optional[float] = None) -> List[_Items]:
     """Recursive bisection over a tree of bins: ``groups`` is a bin index or a list of subtrees; bisections
-    between nodes may miss their targets by ``node_slack`` (a fraction), those inside a node by ``config.slack``.
+    inside a node may miss their targets by ``config.slack`` (a fraction), those between nodes by ``node_slack``
+    when it is ``config.slack`` (``"tight"``), else by what is left of a budget (``_node_slack``).
 
     Each side's bin targets are rescaled to the area the side actually received, so a bisection's error
     is shared by all the bins below it instead of landing on the last bin split (a node slightly over its
-    target made one of its members several times as far over).
+    target made one of its members several times as far over). ``budget``: how far over its share (a factor)
+    the bisections between nodes of this subtree may put a node; ``None`` at the root, ``(1 + node_slack) **
+    levels``.
 
     ``memo``: the bisections of earlier passes of the same placement (``sequence_aware_table`` plans again with
     less slack between nodes), by group. A bisection given the same items and targets as before, and the same
@@ -1043,14 +1069,20 @@ def _split(items: Union[_Items, Sequence[_Item]], groups: list, caps: Sequence[i
     if isinstance(groups, int):
         return [items]
     if len(groups) == 1:
-        return _split(items, groups[0], caps, targets, config, node_slack, memo)
+        return _split(items, groups[0], caps, targets, config, node_slack, memo, budget)
     half = len(groups) // 2
     left, right = groups[:half], groups[half:]
     lb, rb = _leaves(left), _leaves(right)
     between_nodes = not isinstance(groups[0], int)
     rooms = (sum(caps[b] for b in lb), sum(caps[b] for b in rb))
     wanted = (sum(targets[b] for b in lb), sum(targets[b] for b in rb))
-    slack = node_slack if between_nodes else config.slack
+    slack = config.slack
+    if between_nodes and node_slack > config.slack:
+        levels = _depth(len(groups))
+        budget = (1.0 + node_slack) ** levels if budget is None else budget
+        slack = _node_slack(budget, levels, config.slack)
+    elif between_nodes:
+        slack = node_slack
     key = (tuple(lb), tuple(rb))
     seen = memo.get(key) if memo is not None else None
     if seen is not None and seen[1] == wanted and (seen[2] == slack or not seen[3]) and _same_items(seen[0], items):
@@ -1060,14 +1092,16 @@ def _split(items: Union[_Items, Sequence[_Item]], groups: list, caps: Sequence[i
         sides = _bisect_items(items, rooms, wanted, between_nodes, config, slack, states)
         if memo is not None:
             memo[key] = (items, wanted, slack, any(state.slack_read for state in states), sides)
-    scaled = list(targets)
-    for side, leaves, side_target in zip(sides, (lb, rb), wanted):
+    scaled, budgets = list(targets), [budget, budget]
+    for s, (side, leaves, side_target) in enumerate(zip(sides, (lb, rb), wanted)):
         if side_target > 0:
             factor = side.total_area() / side_target
             for b in leaves:
                 scaled[b] = targets[b] * factor
-    return (_split(sides[0], left, caps, scaled, config, node_slack, memo)
-            + _split(sides[1], right, caps, scaled, config, node_slack, memo))
+            if budget is not None and factor > 0:
+                budgets[s] = budget / factor  # what is left to the levels below: a side under its target has more
+    return (_split(sides[0], left, caps, scaled, config, node_slack, memo, budgets[0])
+            + _split(sides[1], right, caps, scaled, config, node_slack, memo, budgets[1]))
 
 
 def _same_items(a: _Items, b: _Items) -> bool:
@@ -1079,6 +1113,20 @@ def _same_items(a: _Items, b: _Items) -> bool:
     keys = set(a.pieces) | set(b.pieces)
     present = a.doc[_among(a.doc, keys)].tolist() if keys else []
     return all(a.pieces.get(d) == b.pieces.get(d) for d in present)
+
+
+def _node_slack(budget: float, levels: int, floor: float) -> float:
+    """The slack of a bisection between nodes with ``levels`` levels between nodes left (its own included): all of
+    the ``budget`` but ``floor`` for each level below it (what a bisection needs to place documents whole), and at
+    least ``floor``.
+
+    The first bisection's error then bounds what the levels below may add: a side over its target by ``1 + e`` has
+    ``budget / (1 + e)`` left, a side under it more (the sides' targets are rescaled), so a member is over its
+    share by at most ``budget`` times what the levels inside its node add. Spent first where it is: the two sides
+    of the first bisection between two halves of the nodes need the most area moved, and a cut there that the
+    slack avoids (or shortens) saves the most rows; levels below spend what their side has left (measured against
+    an equal share per level in docs/sequence_aware.md)."""
+    return max(floor, budget / (1.0 + floor) ** (levels - 1) - 1.0)
 
 
 def _leaves(groups: object) -> List[int]:
@@ -1119,10 +1167,11 @@ def _depth(count: int) -> int:
 
 
 def _node_slacks(config: PlacementConfig, num_nodes: int, members_per_node: int) -> List[float]:
-    """The slacks (fractions of a side's target) the bisections between nodes try, in order: in ``"traffic"``
-    mode the largest whose compounded error over the levels between nodes, times ``config.slack`` per level
-    inside a node, stays within ``attention_target`` (a member over its node's share by ``1 + e`` per level
-    on its path), then half and a quarter of it; ``config.slack`` last (``"tight"``: only that)."""
+    """The slacks (fractions of a side's target) the bisections between nodes try, in order, each as the budget
+    ``(1 + slack) ** levels`` that ``_split`` shares among the levels between nodes: in ``"traffic"`` mode the
+    largest whose compounded error over those levels, times ``config.slack`` per level inside a node, stays
+    within ``attention_target`` (a member over its node's share by ``1 + e`` per level on its path), then half
+    and a quarter of it; ``config.slack`` last (``"tight"``: only that, at every level)."""
     tight = [config.slack]
     levels = _depth(num_nodes)
     if config.balance == "tight" or levels == 0:

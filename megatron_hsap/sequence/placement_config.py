@@ -21,7 +21,8 @@ class PlacementConfig:
     """Targets and knobs of the sequence-aware placement (the other layouts ignore it).
 
     balance: ``"traffic"`` (default) lets the bisections between nodes miss their attention targets by as much as
-    ``attention_target`` allows, so that fewer documents are cut between nodes; ``"tight"`` balances every
+    ``attention_target`` allows, so that fewer documents are cut between nodes (the first bisection takes all of
+    it but ``slack`` per level below; the levels below spend what their side has left); ``"tight"`` balances every
     bisection within ``slack`` first (traffic second). In either mode a placement whose worst ring member is
     above ``attention_target`` times its share is planned again with the slack halved, down to ``"tight"``.
     attention_target: the largest attention (plus linear) cost of a ring member over its share (1.02: 2 % over).
@@ -35,14 +36,19 @@ class PlacementConfig:
     rooms exactly by choosing and exchanging items; such a cut would buy nearly no balance). tiny: the shortest
     items holding this fraction of a bisection's tokens are shared in proportion to the rooms. exchange: items
     considered (shortest first) when exchanging a few to close a token gap. slack: a side may miss its target by
-    this fraction in ``"tight"`` mode and inside nodes (the rest of the hierarchy adds its own error).
+    this fraction in ``"tight"`` mode and inside nodes (the rest of the hierarchy adds its own error), and at least
+    this much in ``"traffic"`` mode between nodes.
     rounds_between_nodes / rounds_inside_node: scans of the piece size when cutting (coarse, then refined around
     the best): between nodes every row saved is inter-node traffic; inside a node one coarse scan costs a few more
     intra-node rows at a fraction of the planning time. exhaustive: between nodes, bisections of at most this many
     items try every subset (fewer gave back most of the rows it saves); visits: cuts of least lower bound whose
-    exact rows they compute. reopened: documents cut by the greedy steps between nodes plus the shortest items,
-    this many in all, searched again over every subset (10 and 12 saved no more rows at up to twice the planning
-    time). docs/sequence_aware.md quotes the tools/plan_report.py runs behind these choices.
+    exact rows they compute. reopened: after the greedy steps between nodes cut two documents or more (or one,
+    leaving a side off its target by more than the slack), the documents they cut, the heaviest whole items and
+    the shortest ones, this many in all, searched again over every subset (10 moved no fewer rows); heaviest: of
+    those, the cut documents and the heaviest whole items (by area), this many in all (the search then also
+    chooses which heavy documents stay whole on which side and which one is cut; 5 gave back what 6 saves on
+    the bimodal pure ring of 4 x 8). docs/sequence_aware.md quotes the tools/plan_report.py runs behind these
+    choices.
     """
 
     balance: str = "traffic"
@@ -59,6 +65,7 @@ class PlacementConfig:
     exhaustive: int = 12
     visits: int = 32
     reopened: int = 8
+    heaviest: int = 6
 
     def __post_init__(self) -> None:
         if self.balance not in BALANCES:
