@@ -25,7 +25,8 @@ class PlacementConfig:
     it but ``slack`` per level below; the levels below spend what their side has left); ``"tight"`` balances every
     bisection within ``slack`` first (traffic second). In either mode a placement whose worst ring member is
     above ``attention_target`` times its share is planned again with the slack halved, down to ``"tight"``.
-    attention_target: the largest attention of a ring member over its share (1.02: 2 % over; the shares are equal).
+    attention_target: the largest attention of a ring member over its share (1.02: 2 % over; the shares are
+    equal, a padded member's within what its tokens can carry).
     token_target: the largest token count of a CP rank over the mean; the placement gives every rank exactly
     ``tokens_per_rank`` tokens (tail padding only on the last ranks), so it holds at 1.0 (plan_report checks it).
 
