@@ -280,7 +280,8 @@ class _Pool:
     def _area_upto(self, position: int) -> float:
         """Area of the first ``position`` tokens of the whole density order."""
         tokens, areas = self.tokens, self.areas
-        j = (bisect.bisect_right(tokens, position) if self.listed else int(np.searchsorted(tokens, position, "right"))) - 1
+        j = (bisect.bisect_right(tokens, position) if self.listed
+             else int(np.searchsorted(tokens, position, "right"))) - 1
         if j == len(self.sel):
             return float(areas[-1])
         if self.listed:
@@ -1049,8 +1050,9 @@ def _shortest(lengths: np.ndarray, count: int) -> np.ndarray:
     return chosen[np.argsort(lengths[chosen], kind="stable")]
 
 
-def _split(items: Union[_Items, Sequence[_Item]], groups: list, caps: Sequence[int], targets: Sequence[float], config: PlacementConfig,
-           node_slack: float, memo: Optional[dict] = None, budget: Optional[float] = None) -> List[_Items]:
+def _split(items: Union[_Items, Sequence[_Item]], groups: list, caps: Sequence[int], targets: Sequence[float],
+           config: PlacementConfig, node_slack: float, memo: Optional[dict] = None,
+           budget: Optional[float] = None) -> List[_Items]:
     """Recursive bisection over a tree of bins: ``groups`` is a bin index or a list of subtrees; bisections
     inside a node may miss their targets by ``config.slack`` (a fraction), those between nodes by ``node_slack``
     when it is ``config.slack`` (``"tight"``), else by what is left of a budget (``_node_slack``).
