@@ -7,6 +7,7 @@ docs/sequence_aware.md ("Lower bound on inter-node traffic") has the argument.
 from __future__ import annotations
 
 import bisect
+import heapq
 import itertools
 import math
 from collections import Counter
@@ -16,7 +17,7 @@ import numpy as np
 
 from megatron_hsap.sequence.cost_model import causal_area
 
-__all__ = ["fewest_rows_two_nodes", "inter_node_rows_lower_bound"]
+__all__ = ["fewest_rows_two_nodes", "inter_node_rows_lower_bound", "two_node_rows_lower_bound"]
 
 
 def _rows_for_area(area: float) -> int:
@@ -365,3 +366,171 @@ def fewest_rows_two_nodes(doc_lengths: Sequence[int], node_tokens: int, imbalanc
     rows = best[max(0, lo_tokens):min(node_tokens, total_tokens) + 1][:, ok]
     value = int(rows.min()) if rows.size else inf
     return None if value >= inf else value
+
+
+# ---- two nodes: a relaxation that enumerates the largest documents -------------------------------------------------
+
+#: How a document of ``two_node_rows_lower_bound``'s enumeration is placed: whole on node 0 or 1, or cut, the part
+#: without its last token (horizon x: max position + 1) on node 0 or on node 1.
+WHOLE_0, WHOLE_1, CUT_0, CUT_1 = range(4)
+
+
+def two_node_rows_lower_bound(doc_lengths: Sequence[int], node_tokens: Optional[int], imbalance: float = 1.0, *,
+                              enumerated: int = 4, gap: float = 1e-3, max_boxes: int = 2000) -> int:
+    """Key/value rows that must cross between two nodes in any placement whose nodes hold at most ``node_tokens``
+    tokens (``None``: any counts) and at most ``imbalance`` times the mean causal attention area: a relaxation of the exact structure of
+    ``fewest_rows_two_nodes`` for batches far too large for its table (tokens x area), tight where a few long
+    documents decide the traffic (the bimodal mix: ``inter_node_rows_lower_bound``'s per-document terms are 0
+    where every placement must cut one of three documents, none of which fits a node beside another).
+
+    Exact structure: a document is whole on one node, or the node without its last token holds a set S of its
+    positions and it moves x = max(S) + 1 rows. Relaxed, every step only enlarging what a node may hold or
+    lowering what it costs:
+
+    - the ``enumerated`` longest documents are placed each of four ways (``WHOLE_0`` .. ``CUT_1``; the nodes are
+      interchangeable, so the longest one's last token is on node 1); a cut one's part S of horizon <= x holds
+      any real t in [0, x] tokens and any area between the sparsest and the densest t positions below x,
+      t (t + 1) / 2 and t (2x - t + 1) / 2: every real S of horizon <= x is in it, and it grows with x;
+    - the other documents are fluid: node 0 takes any fraction of each of their positions at no cost (every real
+      placement of them is one such choice, and their rows count >= 0).
+
+    For given ways and horizons, node 0's (tokens, area) ranges over a sum of convex sets; it misses the box of
+    allowed (tokens, area) only if some line separates the two: the support function of a sum is the sum of the
+    parts' (closed forms, ``_TwoNodeRelaxation``). Every (way, horizons) is called feasible unless one of the
+    directions tried separates: a missed direction only lowers the bound. Then a branch and bound over boxes
+    of horizons per way (``_least_horizons``): a box can hold a feasible point only if its upper corner is
+    feasible, and its horizons sum to at least its lower corner's, raised to the tokens node 0 must gain or shed
+    through cut parts (a part of horizon x holds at most x tokens). The least value taken from the queue bounds
+    every box left in it, and the boxes dropped hold no feasible point, so it bounds the optimum; it is returned
+    once within ``gap`` of the least sum of horizons found feasible (a lower corner), or after ``max_boxes``
+    boxes (each only tightens the bound). No placement within the caps: the batch's tokens (any count bounds
+    an empty set; kept finite).
+    """
+    lengths = sorted((int(n) for n in doc_lengths if n), reverse=True)
+    for name, value, least in (("enumerated", enumerated, 1), ("max_boxes", max_boxes, 1)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < least:
+            raise ValueError(f"{name}={value!r} must be an int >= {least}")
+    if not 0.0 <= gap < 1.0:
+        raise ValueError(f"gap={gap!r} must be in [0, 1)")
+    _check_bound_arguments(lengths, 2, imbalance, node_tokens, charged_candidates=0, paired_candidates=0, shares=1)
+    if not lengths:
+        return 0
+    relaxation = _TwoNodeRelaxation(lengths, sum(lengths) if node_tokens is None else node_tokens, imbalance,
+                                    enumerated)
+    cut_lengths = relaxation.cut_lengths
+    ways = np.array([w for w in itertools.product(range(4), repeat=len(cut_lengths)) if w[0] in (WHOLE_1, CUT_0)],
+                    dtype=np.int64)
+    cut = ways >= CUT_0
+    ways = ways[~(cut & (cut_lengths < 2)).any(axis=1)]  # a one-token document cannot be cut
+    cut = ways >= CUT_0
+    rows = _least_horizons(relaxation, ways, cut.astype(np.int64), np.where(cut, cut_lengths - 1, 0), gap,
+                           max_boxes)
+    return sum(lengths) if rows is None else rows
+
+
+class _TwoNodeRelaxation:
+    """``two_node_rows_lower_bound``'s relaxation: which ways and horizons node 0's (tokens, area) may meet the
+    allowed box with. ``cut_lengths``: the enumerated documents' lengths, longest first."""
+
+    def __init__(self, lengths: Sequence[int], node_tokens: int, imbalance: float, enumerated: int) -> None:
+        self.cut_lengths = np.array(lengths[:enumerated], dtype=np.int64)
+        self._lengths = self.cut_lengths.astype(np.float64)
+        self._areas = self._lengths * (self._lengths + 1) / 2
+        self._fluid = np.array(sorted(lengths[enumerated:]), dtype=np.float64)
+        self._fluid_tokens = np.concatenate([[0.0], np.cumsum(self._fluid)])
+        self._fluid_areas = np.concatenate([[0.0], np.cumsum(self._fluid * (self._fluid + 1) / 2)])
+        self.total = sum(lengths)
+        self.total_area = sum(causal_area(0, n) for n in lengths)
+        cap = imbalance * self.total_area / 2
+        self.tokens = (self.total - node_tokens, node_tokens)  # node 0's allowed tokens, area
+        self.area = (self.total_area - cap, cap)
+        # Token prices in area units (a token's area is its position + 1: 1 .. the longest document), both signs.
+        prices = np.geomspace(0.25, 8.0 * lengths[0], 300)
+        self._prices = np.concatenate([-prices[::-1], [0.0], prices])
+
+    def least_sum(self, way: np.ndarray, low: np.ndarray) -> int:
+        """A lower bound on the horizons' sum over a box with lower corner ``low`` (one row per document) from the
+        tokens alone: node 0 holds at most its whole documents, the fluid ones and x of each ``CUT_0`` part, at
+        least its documents less x of each ``CUT_1`` part."""
+        held = int(self.cut_lengths[(way == WHOLE_0) | (way == CUT_1)].sum())
+        gain = self.tokens[0] - held - int(self._fluid_tokens[-1])
+        shed = held - self.tokens[1]
+        return max(int(low[way == CUT_0].sum()), gain) + max(int(low[way == CUT_1].sum()), shed)
+
+    def feasible(self, ways: np.ndarray, horizons: np.ndarray) -> np.ndarray:
+        """[n] bool: no direction tried separates node 0's (tokens, area) set from the allowed box, for each row
+        of ``ways`` and ``horizons`` ([n, enumerated]: a way and, for a cut, the horizon of each document).
+        Directions (token price mu, area sign lam): lam = 0 (the token counts alone) and +-1 with mu a grid."""
+        held = (ways == WHOLE_0) | (ways == CUT_1)
+        tokens, area = held @ self._lengths, held @ self._areas
+        fits = np.ones(len(ways), dtype=bool)
+        for lam, prices in ((0.0, np.array([1.0, -1.0])), (1.0, self._prices), (-1.0, self._prices)):
+            mu = prices[None, :]
+            support = mu * tokens[:, None] + lam * area[:, None] + self._fluid_support(mu, lam)
+            for d in range(ways.shape[1]):
+                x = horizons[:, d:d + 1].astype(np.float64)
+                support = support + np.where(ways[:, d:d + 1] == CUT_0, _cut_support(mu, lam, x), 0.0)
+                support = support + np.where(ways[:, d:d + 1] == CUT_1, _cut_support(-mu, -lam, x), 0.0)
+            least = np.minimum(mu * self.tokens[0], mu * self.tokens[1]) + lam * self.area[0 if lam > 0 else 1]
+            # A direction separates only beyond rounding (float64 sums of terms up to mu x tokens and the area).
+            tolerance = 1e-10 * (np.abs(mu) * self.total + abs(lam) * self.total_area) + 1e-6
+            fits &= (support + tolerance >= least).all(axis=1)
+        return fits
+
+    def _fluid_support(self, mu: np.ndarray, lam: float) -> np.ndarray:
+        """max of mu tokens + lam area over the fluid documents' fractions on node 0: the sum over their positions
+        of max(0, mu + lam v), v = position + 1."""
+        if lam == 0:
+            return np.maximum(mu, 0.0) * self._fluid_tokens[-1]
+        if lam < 0:
+            return self._below(mu)
+        return mu * self._fluid_tokens[-1] + self._fluid_areas[-1] + self._below(-mu)
+
+    def _below(self, c: np.ndarray) -> np.ndarray:
+        """The sum over the fluid positions with v < c of c - v: the first min(L, ceil(c) - 1) of each."""
+        m = np.maximum(np.ceil(c) - 1, 0.0)
+        i = np.searchsorted(self._fluid, m, side="right")  # documents no longer than m: all their positions
+        rest = len(self._fluid) - i
+        return c * self._fluid_tokens[i] - self._fluid_areas[i] + rest * (m * c - m * (m + 1) / 2)
+
+
+def _cut_support(mu: np.ndarray, lam: float, x: np.ndarray) -> np.ndarray:
+    """max of mu t + lam a over a cut part of horizon <= x (t in [0, x], a between t (t + 1) / 2 and
+    t (2x - t + 1) / 2): for lam = +-1 a concave quadratic in t at its vertex clipped to [0, x]."""
+    if lam == 0:
+        return np.maximum(mu * x, 0.0)
+    slope = mu + (x + 0.5 if lam > 0 else -0.5)  # d/dt of mu t + lam a at t = 0, the quadratic's -t^2/2 aside
+    t = np.clip(slope, 0.0, x)
+    return t * (slope - t / 2)
+
+
+def _least_horizons(relaxation: _TwoNodeRelaxation, ways: np.ndarray, low: np.ndarray, high: np.ndarray, gap: float,
+                    max_boxes: int) -> Optional[int]:
+    """The branch and bound of ``two_node_rows_lower_bound`` from one box [low, high] of horizons per way (rows);
+    None when no box is feasible."""
+    queue: List[Tuple[int, int, np.ndarray, np.ndarray, np.ndarray]] = []
+    order = itertools.count()
+    best = math.inf  # the least sum of horizons known feasible
+
+    def push(ways: np.ndarray, low: np.ndarray, high: np.ndarray) -> None:
+        nonlocal best
+        fits, reached = relaxation.feasible(ways, high), relaxation.feasible(ways, low)
+        for way, lo, hi, exact in zip(ways[fits], low[fits], high[fits], reached[fits]):
+            if exact:  # its lower corner is feasible: the box's least sum, reached
+                hi = lo
+                best = min(best, int(lo.sum()))
+            heapq.heappush(queue, (relaxation.least_sum(way, lo), next(order), way, lo, hi))
+
+    push(ways, low, high)
+    for _ in range(max_boxes):
+        if not queue:
+            return None
+        value, _, way, lo, hi = heapq.heappop(queue)
+        if value >= (1 - gap) * best or not (hi > lo).any():
+            return value
+        d = int(np.argmax(hi - lo))  # split the widest horizon range in 16
+        edges = np.unique(np.linspace(lo[d], hi[d] + 1, 17).astype(np.int64))
+        lows, highs = np.repeat(lo[None], len(edges) - 1, axis=0), np.repeat(hi[None], len(edges) - 1, axis=0)
+        lows[:, d], highs[:, d] = edges[:-1], edges[1:] - 1
+        push(np.repeat(way[None], len(lows), axis=0), lows, highs)
+    return queue[0][0] if queue else None
