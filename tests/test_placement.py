@@ -264,7 +264,7 @@ def test_bad_document_lengths_raise_value_error(lengths: list, index: int) -> No
 from megatron_hsap.parallel_state import CPTopology  # noqa: E402
 from megatron_hsap.sequence import placement as placement_module  # noqa: E402
 from megatron_hsap.sequence import analysis as analysis_module  # noqa: E402
-from megatron_hsap.sequence.analysis import inter_node_rows_lower_bound  # noqa: E402
+from megatron_hsap.sequence.analysis import inter_node_rows_lower_bound, two_node_rows_lower_bound  # noqa: E402
 from megatron_hsap.sequence.doc_lengths import (  # noqa: E402
     bimodal_doc_lengths, cu_seqlens_from_lengths, lognormal_doc_lengths, pack_lengths)
 from megatron_hsap.sequence.plan import needed_rows, plan_batch  # noqa: E402
@@ -752,6 +752,75 @@ def test_exact_two_node_optimum_matches_the_brute_force() -> None:
         1, 1, 1, torch.float32)
     best = analysis_module.fewest_rows_two_nodes(lengths, 14, max(1.02, stats.flops_imbalance))
     assert best is not None and sum(stats.recv_bytes_inter_forwarded) // 8 >= best
+
+
+
+def test_two_node_bound_never_exceeds_the_exact_optimum_and_is_close_to_it() -> None:
+    """``analysis.two_node_rows_lower_bound`` against ``fewest_rows_two_nodes`` on small bimodal-like batches (a few
+    long documents among short ones), token capacities and imbalances varied: never above the optimum whatever
+    the documents enumerated (1: all but the longest fluid); enumerating the five longest it is the optimum on
+    most batches (it relaxes only the part's token count to a real number and the shortest documents)."""
+    rng = random.Random(2)
+    cases = equal = 0
+    bound_sum = optimum_sum = 0
+    while cases < 40:
+        tokens = rng.randint(12, 32)
+        lengths: List[int] = []
+        while sum(lengths) < tokens:
+            n = rng.randint(tokens // 6, tokens // 2) if rng.random() < 0.3 else rng.randint(1, 4)
+            lengths.append(min(n, tokens - sum(lengths)))
+        node_tokens = -(-tokens // 2) + rng.choice([0, 0, 1, 3])
+        imbalance = rng.choice([1.0, 1.02, 1.1, 1.3])
+        best = analysis_module.fewest_rows_two_nodes(lengths, node_tokens, imbalance)
+        if best is None:
+            continue
+        cases += 1
+        for enumerated in (1, 3):
+            assert two_node_rows_lower_bound(lengths, node_tokens, imbalance, enumerated=enumerated) <= best
+        bound = two_node_rows_lower_bound(lengths, node_tokens, imbalance, enumerated=5)
+        assert bound <= best, (lengths, node_tokens, imbalance)
+        equal += bound == best
+        bound_sum, optimum_sum = bound_sum + bound, optimum_sum + best
+    assert equal >= 34 and bound_sum >= 0.95 * optimum_sum > 0, (equal, bound_sum, optimum_sum)
+
+
+def test_two_node_bound_sees_the_document_every_placement_cuts() -> None:
+    """Bimodal batch 4 at 2 x 8: its three longest documents (293K-383K tokens) fit no node of 524,288 tokens two
+    at a time, so every placement cuts one; the per-document bound is 0 there. The two-node relaxation is within
+    1 % of what the planner moves, and never above it (the planner's nodes: equal tokens, within its balance)."""
+    lengths = bimodal_doc_lengths(1 << 20, seed=4)
+    assert inter_node_rows_lower_bound(lengths, 2, 1.02, 1 << 19) == 0
+    topo = CPTopology.offline(16, 8, 8)
+    stats = plan_batch(cu_seqlens_from_lengths(lengths), topo, "sequence-aware").stats(32, 8, 128)
+    rows = sum(stats.recv_bytes_inter_forwarded) // (2 * 8 * 128 * 2)
+    bound = two_node_rows_lower_bound(lengths, 1 << 19, max(1.02, stats.flops_imbalance))
+    assert 0.99 * rows <= bound <= rows, (bound, rows)
+    # Without token capacities no cut is needed for tokens: a weaker, still nonzero, bound (the areas).
+    assert 0 < two_node_rows_lower_bound(lengths, None, 1.02) < bound
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_two_node_bound_is_below_the_planners_rows(seed: int) -> None:
+    """Smaller bimodal batches (256K tokens, long documents 16K-128K) at 2 x 8 hybrid and 2 x 4 pure ring: the
+    bound at the plan's own balance and node tokens never exceeds the rows the plan moves across nodes."""
+    lengths = bimodal_doc_lengths(1 << 18, seed=seed, long=(1 << 14, 1 << 17))
+    for topo in (CPTopology.offline(16, 8, 8), CPTopology.offline(8, 1, 4)):
+        plan = plan_batch(cu_seqlens_from_lengths(lengths), topo, "sequence-aware")
+        stats = plan.stats(8, 8, 128)
+        rows = sum(stats.recv_bytes_inter_forwarded) // (2 * 8 * 128 * 2)  # k and v, 8 KV heads of 128 in bf16
+        node_tokens = plan.tokens_per_rank * topo.cp_size // 2
+        assert two_node_rows_lower_bound(lengths, node_tokens, max(1.02, stats.flops_imbalance)) <= rows
+
+
+def test_two_node_bound_refuses_bad_arguments() -> None:
+    for kwargs, message in (({"enumerated": 0}, "enumerated=0 must be an int >= 1"),
+                            ({"max_boxes": 0}, "max_boxes=0 must be an int >= 1"),
+                            ({"gap": 1.0}, r"gap=1.0 must be in \[0, 1\)"),
+                            ({"imbalance": 0.9}, "imbalance=0.9 must be >= 1.0")):
+        with pytest.raises(ValueError, match=message):
+            two_node_rows_lower_bound([10, 10], 10, **kwargs)
+    with pytest.raises(ValueError, match="node_tokens=9"):
+        two_node_rows_lower_bound([10, 10], 9)
 
 
 # ---- padded batches: the attention target holds as without padding -----------------------------------------------

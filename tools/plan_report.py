@@ -18,8 +18,9 @@ attn imb worst / med = max/mean attention FLOPs over CP ranks, worst and median 
 for tokens (worst); inter MiB = inter-node bytes per layer, mean per batch (a row once per receiving ring
 member); fwd MiB = the same with node-level K/V forwarding (a row once per receiving node,
 ``PlanStats.recv_bytes_inter_forwarded``; equal in hybrid layouts); vs LB = fwd bytes / the lower bound
-(``analysis.inter_node_rows_lower_bound`` at the attention target, 1.02, and plan_batch's node token capacity:
-valid for every placement plan_batch may return, which the bound at perfect balance is not), median over
+(``analysis.inter_node_rows_lower_bound`` at the attention target, 1.02, and plan_batch's node token capacity,
+on two nodes the larger of it and ``analysis.two_node_rows_lower_bound``: valid for every placement plan_batch
+may return, which the bound at perfect balance is not), median over
 batches with a nonzero bound ("0" when the bound is 0 and nothing moves); vs zigzag = inter-node bytes
 summed over the batches / zigzag's (both without forwarding; zigzag here counts only the rows each member
 needs); LB vs zigzag = the lower bound summed over the batches / zigzag's forwarded bytes; pad = padding
@@ -32,7 +33,8 @@ fwd vs TE ring and LB vs TE ring = fwd bytes and the bound, summed over the batc
 Each row's targets are checked below the table. The 0.20 x zigzag target is called unreachable (hybrid
 layouts, where forwarding changes nothing) when even the bound for a placement 2 % off balance with any token
 counts (capacity-free at imbalance 1.02, below the table's bound) is above 20 % of zigzag: no placement meeting
-the balance target can meet it; the 0.20 x TE ring target when the table's bound is above 20 % of that ring.
+the balance target can meet it; else when the table's bound is: no placement with plan_batch's equal node tokens
+(zero padding) can; the 0.20 x TE ring target when the table's bound is above 20 % of that ring.
 
     .venv/bin/python tools/plan_report.py                       # 5 mixes x 4 layouts, 1M tokens
     .venv/bin/python tools/plan_report.py --layouts 2x8 --modes ring hybrid u2 --batches 100   # big sweep
@@ -47,6 +49,7 @@ the balance target can meet it; the 0.20 x TE ring target when the table's bound
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import statistics
 import sys
@@ -59,7 +62,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 from megatron_hsap.parallel_state import CPTopology  # noqa: E402
-from megatron_hsap.sequence.analysis import fewest_rows_two_nodes, inter_node_rows_lower_bound  # noqa: E402
+from megatron_hsap.sequence.analysis import (  # noqa: E402
+    fewest_rows_two_nodes, inter_node_rows_lower_bound, two_node_rows_lower_bound)
 from megatron_hsap.sequence.cost_model import CostModel  # noqa: E402
 from megatron_hsap.sequence.doc_lengths import (  # noqa: E402
     bimodal_doc_lengths, cu_seqlens_from_lengths, lognormal_doc_lengths, pack_lengths, pareto_doc_lengths,
@@ -211,10 +215,18 @@ def lower_bound_bytes(lengths: Sequence[int], topo: CPTopology, model: CostModel
                       capacity: bool = True) -> int:
     """Lower bound on one layer's inter-node key/value bytes of a placement whose nodes hold at most ``imbalance``
     times the mean attention area and (``capacity``) at most ``plan_batch``'s token capacity; with
-    ``capacity=False`` any token counts (see ``inter_node_rows_lower_bound``)."""
+    ``capacity=False`` any token counts (see ``inter_node_rows_lower_bound``; on two nodes the larger of it and
+    ``two_node_rows_lower_bound``)."""
     nodes = len(set(topo.node_of_cp_rank))
     node_tokens = -(-sum(lengths) // topo.cp_size) * (topo.cp_size // nodes) if capacity else None
-    return inter_node_rows_lower_bound(lengths, nodes, imbalance, node_tokens) * _row_bytes(topo, model)
+    return _lower_bound_rows(tuple(lengths), nodes, imbalance, node_tokens) * _row_bytes(topo, model)
+
+
+@functools.lru_cache(maxsize=None)
+def _lower_bound_rows(lengths: Tuple[int, ...], nodes: int, imbalance: float, node_tokens: Optional[int]) -> int:
+    """``lower_bound_bytes``'s rows, once per batch and node count (the layouts' modes share them)."""
+    rows = inter_node_rows_lower_bound(lengths, nodes, imbalance, node_tokens)
+    return max(rows, two_node_rows_lower_bound(lengths, node_tokens, imbalance)) if nodes == 2 else rows
 
 
 def run(mixes: Sequence[str], sizes: Sequence[str], layouts: Sequence[str], modes: Sequence[str],
@@ -341,10 +353,15 @@ def format_table(rows: Sequence[Row], times: bool = True) -> str:
 
 
 def _zigzag_target(r: Row) -> str:
-    """The traffic-vs-zigzag target's name, saying when no balanced placement can meet it."""
+    """The traffic-vs-zigzag target's name, saying when no balanced placement can meet it (hybrid layouts, where
+    forwarding changes nothing): first with any token counts, else with plan_batch's equal node tokens (the
+    table's bound: zero padding in equal per-rank shapes leaves no other token counts)."""
     if r.mode == "hybrid" and r.floor_vs_zigzag is not None and r.floor_vs_zigzag > ZIGZAG_TARGET:
         return (f"inter-node <= {ZIGZAG_TARGET:.2f} x zigzag (unreachable: any placement within {ATTENTION_TARGET} "
                 f"attention imbalance moves >= {100 * r.floor_vs_zigzag:.1f} %)")
+    if r.mode == "hybrid" and r.bound_vs_zigzag is not None and r.bound_vs_zigzag > ZIGZAG_TARGET:
+        return (f"inter-node <= {ZIGZAG_TARGET:.2f} x zigzag (unreachable: any placement within {ATTENTION_TARGET} "
+                f"attention imbalance and equal node tokens moves >= {100 * r.bound_vs_zigzag:.1f} %)")
     return f"inter-node <= {ZIGZAG_TARGET:.2f} x zigzag"
 
 
