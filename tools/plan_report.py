@@ -43,6 +43,7 @@ the balance target can meet it; else when the table's bound is: no placement wit
     .venv/bin/python tools/plan_report.py --no-times            # deterministic output (planning times as "-")
     .venv/bin/python tools/plan_report.py --balance tight       # the placement balanced first
     .venv/bin/python tools/plan_report.py --exact 20            # the plan against the exact optimum, small batches
+    .venv/bin/python tools/plan_report.py --bounds --mixes bimodal --layouts 2x8 --batches 10   # the bounds per batch
     .venv/bin/python tools/plan_report.py --scaling             # planning time against the document count
 """
 
@@ -331,6 +332,43 @@ def exact(batches: int, tokens: int, seed: int, config: Optional[PlacementConfig
             f"more on {over}; {loose} plan(s) above the target, each against the optimum at its own balance"]
 
 
+def bounds(mix: str, size: str, layout: str, batches: int, seed: int, model: CostModel,
+           config: Optional[PlacementConfig] = None) -> List[str]:
+    """Per batch of a two-node layout, in key/value rows: the lower bounds at the attention target with plan_batch's
+    node token capacity (equal node tokens: what zero padding leaves) -- per document
+    (``inter_node_rows_lower_bound``) and by the two-node relaxation (``two_node_rows_lower_bound``) -- and the
+    larger of the two with the token target instead (nodes up to ``TOKEN_TARGET`` x the mean tokens), against the
+    needed-rows zigzag; then the sums over the batches."""
+    config = config or PlacementConfig()
+    nodes, per_node = LAYOUTS[layout]
+    if nodes != 2:
+        raise ValueError(f"--bounds needs a two-node layout, got {layout!r}")
+    topo = topology(layout, "hybrid")
+    sums = [0, 0, 0, 0, 0]
+    lines = []
+    for b in range(batches):
+        lengths = batch_lengths(mix, SIZES[size], seed + b)
+        capacity = -(-sum(lengths) // topo.cp_size) * per_node
+        zigzag = plan_batch(cu_seqlens_from_lengths(lengths), topo, "zigzag", cost_model=model)
+        per_document = inter_node_rows_lower_bound(lengths, 2, config.attention_target, capacity)
+        two_node = two_node_rows_lower_bound(lengths, capacity, config.attention_target)
+        target_tokens = int(TOKEN_TARGET * sum(lengths) / 2)
+        at_token_target = max(inter_node_rows_lower_bound(lengths, 2, config.attention_target, target_tokens),
+                              two_node_rows_lower_bound(lengths, target_tokens, config.attention_target))
+        zigzag_rows = summarise(zigzag, model)["forwarded"] // _row_bytes(topo, model)
+        figures = (per_document, two_node, max(per_document, two_node), at_token_target, zigzag_rows)
+        sums = [a + f for a, f in zip(sums, figures)]
+        longest = sorted(lengths, reverse=True)[:3]
+        lines.append(f"{mix} seed {seed + b}: {len(lengths)} docs, longest {', '.join(map(str, longest))}; bound "
+                     f"per document {per_document}, two-node {two_node}; with tokens <= {TOKEN_TARGET} x mean "
+                     f"{at_token_target}; zigzag {zigzag_rows} rows")
+    lines.append(f"{mix} {size} {layout}, {batches} batches, attention <= {config.attention_target}: bound with "
+                 f"equal node tokens {sums[2]} rows = {100 * sums[2] / sums[4]:.1f} % of zigzag's {sums[4]} (per "
+                 f"document {100 * sums[0] / sums[4]:.1f} %); with tokens <= {TOKEN_TARGET} x mean {sums[3]} rows = "
+                 f"{100 * sums[3] / sums[4]:.1f} %")
+    return lines
+
+
 def format_table(rows: Sequence[Row], times: bool = True) -> str:
     """The table (``times=False``: planning times shown as "-", so that the output is deterministic)."""
     head = ("| mix | tokens | layout | mode | placement | docs | attn imb worst | attn imb med | tok imb worst "
@@ -517,6 +555,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                         help="instead of the table: the plan against the exact optimum on this many small batches "
                              "(--exact-tokens each, 2 nodes)")
     parser.add_argument("--exact-tokens", type=int, default=48, help="tokens per --exact batch")
+    parser.add_argument("--bounds", action="store_true",
+                        help="instead of the table: per batch of the first mix, size and (two-node) layout, the lower "
+                             "bounds in rows against the needed-rows zigzag's, with equal node tokens and with the "
+                             "token target")
     parser.add_argument("--no-times", action="store_true",
                         help="print planning times as '-' and leave out their verdicts: deterministic output "
                              "(what tools/check_docs.py compares)")
@@ -536,6 +578,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     model = CostModel()
     if args.exact:
         for line in exact(args.exact, args.exact_tokens, args.seed, PlacementConfig(balance=args.balance)):
+            print(line)
+        return 0
+    if args.bounds:
+        for line in bounds(args.mixes[0], args.sizes[0], args.layouts[0], args.batches, args.seed, model,
+                           PlacementConfig(balance=args.balance)):
             print(line)
         return 0
     if args.scaling:
