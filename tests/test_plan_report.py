@@ -189,3 +189,15 @@ def test_tight_balance_is_a_report_option(report, capsys) -> None:
 def test_exact_yardstick_on_small_batches(report) -> None:
     (line,) = report.exact(4, 32, 0)
     assert line.startswith("exact: 4 batches of 32 tokens on 2 nodes, attention <= 1.02: plan / optimum worst ")
+
+
+def test_bounds_per_batch_on_two_nodes(report, capsys) -> None:
+    """``--bounds``: one line per batch (its bounds and zigzag's rows) and one of the sums over the batches; the
+    layout must have two nodes."""
+    assert report.main(["--bounds", "--mixes", "bimodal", "--sizes", "128K", "--layouts", "2x8", "--batches", "2"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split(":")[0] for line in lines[:2]] == ["bimodal seed 0", "bimodal seed 1"]
+    assert lines[2].startswith("bimodal 128K 2x8, 2 batches, attention <= 1.02: bound with equal node tokens ")
+    assert len(lines) == 3
+    with pytest.raises(ValueError, match="--bounds needs a two-node layout, got '4x8'"):
+        report.bounds("bimodal", "128K", "4x8", 1, 0, report.CostModel())

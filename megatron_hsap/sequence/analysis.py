@@ -62,8 +62,9 @@ def inter_node_rows_lower_bound(doc_lengths: Sequence[int], num_nodes: int, imba
     (each only tightens the bound: 0, 0 and 1 give the bound without charges, without pairs and with whole charges).
     """
     lengths = [int(n) for n in doc_lengths]
-    _check_bound_arguments(lengths, num_nodes, imbalance, node_tokens, charged_candidates=charged_candidates,
-                           paired_candidates=paired_candidates, shares=shares)
+    _check_counts((("charged_candidates", charged_candidates, 0), ("paired_candidates", paired_candidates, 0),
+                   ("shares", shares, 1)))
+    _check_bound_arguments(lengths, num_nodes, imbalance, node_tokens)
     areas = [causal_area(0, n) for n in lengths]
     cap = imbalance * sum(areas) / num_nodes
     sparsest = _Sparsest(lengths) if node_tokens is not None else None
@@ -82,13 +83,16 @@ def inter_node_rows_lower_bound(doc_lengths: Sequence[int], num_nodes: int, imba
                            paired_candidates=paired_candidates, shares=shares)
 
 
-def _check_bound_arguments(lengths: Sequence[int], num_nodes: int, imbalance: float, node_tokens: Optional[int], *,
-                           charged_candidates: int, paired_candidates: int, shares: int) -> None:
-    """``inter_node_rows_lower_bound``'s arguments: ValueError naming the first bad one."""
-    for name, value, least in (("charged_candidates", charged_candidates, 0), ("paired_candidates", paired_candidates, 0),
-                               ("shares", shares, 1)):
+def _check_counts(counts: Sequence[Tuple[str, int, int]]) -> None:
+    """ValueError naming the first (name, value, least) whose value is not an int >= least."""
+    for name, value, least in counts:
         if not isinstance(value, int) or isinstance(value, bool) or value < least:
             raise ValueError(f"{name}={value!r} must be an int >= {least}")
+
+
+def _check_bound_arguments(lengths: Sequence[int], num_nodes: int, imbalance: float,
+                           node_tokens: Optional[int]) -> None:
+    """The bounds' common arguments: ValueError naming the first bad one."""
     if not isinstance(num_nodes, int) or isinstance(num_nodes, bool) or num_nodes < 1:
         raise ValueError(f"num_nodes={num_nodes!r} must be a positive int")
     if not imbalance >= 1.0:
@@ -378,10 +382,10 @@ WHOLE_0, WHOLE_1, CUT_0, CUT_1 = range(4)
 def two_node_rows_lower_bound(doc_lengths: Sequence[int], node_tokens: Optional[int], imbalance: float = 1.0, *,
                               enumerated: int = 4, gap: float = 1e-3, max_boxes: int = 2000) -> int:
     """Key/value rows that must cross between two nodes in any placement whose nodes hold at most ``node_tokens``
-    tokens (``None``: any counts) and at most ``imbalance`` times the mean causal attention area: a relaxation of the exact structure of
-    ``fewest_rows_two_nodes`` for batches far too large for its table (tokens x area), tight where a few long
-    documents decide the traffic (the bimodal mix: ``inter_node_rows_lower_bound``'s per-document terms are 0
-    where every placement must cut one of three documents, none of which fits a node beside another).
+    tokens (``None``: any counts) and at most ``imbalance`` times the mean causal attention area: a relaxation of
+    the exact structure of ``fewest_rows_two_nodes`` for batches far too large for its table (tokens x area),
+    tight where a few long documents decide the traffic (the bimodal mix: ``inter_node_rows_lower_bound``'s
+    per-document terms are 0 where every placement must cut one of three documents, no two of which fit a node).
 
     Exact structure: a document is whole on one node, or the node without its last token holds a set S of its
     positions and it moves x = max(S) + 1 rows. Relaxed, every step only enlarging what a node may hold or
@@ -407,12 +411,10 @@ def two_node_rows_lower_bound(doc_lengths: Sequence[int], node_tokens: Optional[
     an empty set; kept finite).
     """
     lengths = sorted((int(n) for n in doc_lengths if n), reverse=True)
-    for name, value, least in (("enumerated", enumerated, 1), ("max_boxes", max_boxes, 1)):
-        if not isinstance(value, int) or isinstance(value, bool) or value < least:
-            raise ValueError(f"{name}={value!r} must be an int >= {least}")
+    _check_counts((("enumerated", enumerated, 1), ("max_boxes", max_boxes, 1)))
     if not 0.0 <= gap < 1.0:
         raise ValueError(f"gap={gap!r} must be in [0, 1)")
-    _check_bound_arguments(lengths, 2, imbalance, node_tokens, charged_candidates=0, paired_candidates=0, shares=1)
+    _check_bound_arguments(lengths, 2, imbalance, node_tokens)
     if not lengths:
         return 0
     relaxation = _TwoNodeRelaxation(lengths, sum(lengths) if node_tokens is None else node_tokens, imbalance,
