@@ -422,8 +422,7 @@ def two_node_rows_lower_bound(doc_lengths: Sequence[int], node_tokens: Optional[
     cut_lengths = relaxation.cut_lengths
     ways = np.array([w for w in itertools.product(range(4), repeat=len(cut_lengths)) if w[0] in (WHOLE_1, CUT_0)],
                     dtype=np.int64)
-    cut = ways >= CUT_0
-    ways = ways[~(cut & (cut_lengths < 2)).any(axis=1)]  # a one-token document cannot be cut
+    ways = ways[~((ways >= CUT_0) & (cut_lengths < 2)).any(axis=1)]  # a one-token document cannot be cut
     cut = ways >= CUT_0
     rows = _least_horizons(relaxation, ways, cut.astype(np.int64), np.where(cut, cut_lengths - 1, 0), gap,
                            max_boxes)
@@ -508,8 +507,8 @@ def _cut_support(mu: np.ndarray, lam: float, x: np.ndarray) -> np.ndarray:
 
 def _least_horizons(relaxation: _TwoNodeRelaxation, ways: np.ndarray, low: np.ndarray, high: np.ndarray, gap: float,
                     max_boxes: int) -> Optional[int]:
-    """The branch and bound of ``two_node_rows_lower_bound`` from one box [low, high] of horizons per way (rows);
-    None when no box is feasible."""
+    """The branch and bound of ``two_node_rows_lower_bound`` from one box [low, high] of horizons per way (the
+    arrays' rows: [n, enumerated] each); None when no box is feasible."""
     queue: List[Tuple[int, int, np.ndarray, np.ndarray, np.ndarray]] = []
     order = itertools.count()
     best = math.inf  # the least sum of horizons known feasible
