@@ -403,8 +403,10 @@ class _Bisection:
     """Two sides (0 = left, 1 = right) filled from one pool; see the module docstring."""
 
     def __init__(self, items: Union[_Items, Sequence[_Item]], rooms: Tuple[int, int], targets: Tuple[float, float],
-                 config: PlacementConfig, between_nodes: bool, slack: Optional[float] = None) -> None:
+                 config: PlacementConfig, between_nodes: bool, slack: Optional[float] = None,
+                 cap: Optional[int] = None) -> None:
         self.config = config
+        self.cap = cap  # the most tokens a heavy item's cut gives the side without its last token (None: any)
         self.rounds = config.rounds_between_nodes if between_nodes else config.rounds_inside_node
         self.items = _as_items(items).by_density()
         self.pool = _Pool(self.items, np.arange(len(self.items)))
@@ -516,7 +518,7 @@ class _Bisection:
         """
         n, pool, room = item.length, self.pool, self.room[holder]
         lo = max(0, n - self.room[1 - holder], room - pool.size(i))
-        hi = min(n, room)
+        hi = min(n, room) if self.cap is None else min(n, room, self.cap)
         if lo > hi:
             return None
         missing, slack = self.missing[holder], self.slack
@@ -853,9 +855,11 @@ def _subset_masks(n: int) -> Tuple[np.ndarray, np.ndarray]:
 
 
 def _exhaustive_bisection(items: List[_Item], rooms: Tuple[int, int], targets: Tuple[float, float],
-                          slack: float, visits: int = PlacementConfig.visits) -> Optional[List[List[_Item]]]:
+                          slack: float, visits: int = PlacementConfig.visits,
+                          cap: Optional[int] = None) -> Optional[List[List[_Item]]]:
     """The cheapest split of a few items with at most one cut, over every subset of whole items for the left
-    side (one item per document on each side); None when none is within ``slack`` of the targets.
+    side (one item per document on each side); None when none is within ``slack`` of the targets. ``cap``: the
+    most tokens the cut may give the side without the item's last token (None: any).
 
     The greedy bisection cuts the item that fits neither side at its cheapest cut *given the items placed
     before it*, which leaves the sides at the edge of feasibility and forces more cuts later (three documents
@@ -888,6 +892,8 @@ def _exhaustive_bisection(items: List[_Item], rooms: Tuple[int, int], targets: T
     heads = _areas_before(items, np.concatenate([cuts, cuts]), np.concatenate([tau, cut_length - tau]))
     head, rest = heads[:len(tau)], heads[len(tau):]
     fits = (head - slack <= missing) & (missing <= cut_area - rest + slack)
+    if cap is not None:
+        fits &= np.minimum(tau, cut_length - tau) <= cap
     if not fits.any():
         return None
     tau, missing, cut_length, cut_area = tau[fits], missing[fits], cut_length[fits], cut_area[fits]
@@ -901,6 +907,8 @@ def _exhaustive_bisection(items: List[_Item], rooms: Tuple[int, int], targets: T
         it, tau = items[c], int(rooms[0] - tokens[m])
         missing = targets[0] - float(areas[m])
         for holder, length, area in ((0, tau, missing - 0.9 * slack), (1, it.length - tau, it.area - missing - 0.9 * slack)):
+            if cap is not None and length > cap:
+                continue
             # The holder gets `length` tokens carrying at least `area`, the least end position possible.
             head = it.area_before(length)
             x = _horizon_for(it, length, max(float(head), area), head)
@@ -925,20 +933,22 @@ def _exhaustive_bisection(items: List[_Item], rooms: Tuple[int, int], targets: T
 
 def _bisect_items(items: Union[_Items, Sequence[_Item]], rooms: Tuple[int, int], targets: Tuple[float, float],
                   between_nodes: bool, config: PlacementConfig = PlacementConfig(),
-                  slack: Optional[float] = None, states: Optional[list] = None) -> List[_Items]:
+                  slack: Optional[float] = None, states: Optional[list] = None,
+                  cap: Optional[int] = None) -> List[_Items]:
     """Split ``items`` into two sides of exactly ``rooms`` tokens whose areas approach ``targets``.
     ``between_nodes``: the sides are groups of nodes, so short documents are not cut (inter-node traffic).
     ``slack``: how far (a fraction of the smaller target) a side may miss its target; default ``config.slack``.
-    ``states``: where given, the bisection's ``_Bisection`` is appended to it (whether it read its slack)."""
+    ``states``: where given, the bisection's ``_Bisection`` is appended to it (whether it read its slack).
+    ``cap``: the most tokens a heavy item's cut may give the side without its last token (``_lookahead``)."""
     items = _as_items(items)
     if rooms[0] == 0 or rooms[1] == 0:
         empty = items.take(np.zeros(0, dtype=np.int64))
         return [items, empty] if rooms[1] == 0 else [empty, items]
-    state = _Bisection(items, rooms, targets, config, between_nodes, slack)
+    state = _Bisection(items, rooms, targets, config, between_nodes, slack, cap)
     if states is not None:
         states.append(state)
     if between_nodes and len(items) <= config.exhaustive:
-        found = _exhaustive_bisection(items.items(), rooms, targets, state.slack, config.visits)
+        found = _exhaustive_bisection(items.items(), rooms, targets, state.slack, config.visits, cap)
         if found is not None:
             return [_Items.of(side) for side in found]
     pool = state.pool
@@ -969,7 +979,7 @@ def _bisect_items(items: Union[_Items, Sequence[_Item]], rooms: Tuple[int, int],
     cut = sorted({it.doc for it in placed[0][3].values()} & {it.doc for it in placed[1][3].values()})
     if len(cut) < (1 if missed else 2) or len(cut) > config.reopened - 2:  # (state.slack not read: see above)
         return sides
-    return _reopened(items, sides, cut, rooms, targets, state.slack, config, missed)
+    return _reopened(items, sides, cut, rooms, targets, state.slack, config, missed, cap)
 
 
 def _cut_rows(sides: Sequence[Union[_Items, Sequence[_Item]]], docs: Optional[Sequence[int]] = None) -> int:
@@ -987,7 +997,7 @@ def _cut_rows(sides: Sequence[Union[_Items, Sequence[_Item]]], docs: Optional[Se
 
 def _reopened(items: _Items, sides: List[_Items], cut: List[int], rooms: Tuple[int, int],
               targets: Tuple[float, float], slack: float, config: PlacementConfig,
-              missed: bool = False) -> List[_Items]:
+              missed: bool = False, cap: Optional[int] = None) -> List[_Items]:
     """The greedy bisection's cuts searched again (between nodes; inside a node only where it ``missed``): the
     documents it cut, whole, the heaviest whole items (by area; with the cut documents, ``config.heaviest`` in
     all) and the shortest whole items of each side (alternately, ``config.reopened`` items in all) are split
@@ -1025,7 +1035,7 @@ def _reopened(items: _Items, sides: List[_Items], cut: List[int], rooms: Tuple[i
     moved = np.array(sorted(it.doc for it in free), dtype=np.int64)
     fixed = [side.take(np.flatnonzero(~_among(side.doc, moved))) for side in sides]
     found = _exhaustive_bisection(free, tuple(r - int(f.length.sum()) for r, f in zip(rooms, fixed)),
-                                  tuple(t - f.total_area() for t, f in zip(targets, fixed)), slack, config.visits)
+                                  tuple(t - f.total_area() for t, f in zip(targets, fixed)), slack, config.visits, cap)
     if found is None:
         return sides
     joined = []
@@ -1052,32 +1062,34 @@ def _shortest(lengths: np.ndarray, count: int) -> np.ndarray:
 
 def _split(items: Union[_Items, Sequence[_Item]], groups: list, caps: Sequence[int], targets: Sequence[float],
            config: PlacementConfig, node_slack: float, memo: Optional[dict] = None,
-           budget: Optional[float] = None) -> List[_Items]:
+           budget: Optional[float] = None, nodes_only: bool = False) -> List[_Items]:
     """Recursive bisection over a tree of bins: ``groups`` is a bin index or a list of subtrees; bisections
     inside a node may miss their targets by ``config.slack`` (a fraction), those between nodes by ``node_slack``
-    when it is ``config.slack`` (``"tight"``), else by what is left of a budget (``_node_slack``).
+    when it is ``config.slack`` (``"tight"``), else by what is left of a budget (``_node_slack``). A bisection
+    between 3 or 4 nodes is chosen with the rows of the one below it (``_lookahead``).
 
     Each side's bin targets are rescaled to the area the side actually received, so a bisection's error
     is shared by all the bins below it instead of landing on the last bin split (a node slightly over its
     target made one of its members several times as far over). ``budget``: how far over its share (a factor)
     the bisections between nodes of this subtree may put a node; ``None`` at the root, ``(1 + node_slack) **
-    levels``.
+    levels``. ``nodes_only``: stop at the nodes (one ``_Items`` per node; what ``_lookahead`` weighs).
 
     ``memo``: the bisections of earlier passes of the same placement (``sequence_aware_table`` plans again with
-    less slack between nodes), by group. A bisection given the same items and targets as before, and the same
-    slack or one it never read (nothing inside a node reads ``node_slack``), splits them the same way: its sides
-    are reused instead of planned again, and the groups below it then find theirs too."""
+    less slack between nodes) and those ``_lookahead`` weighed, by group. A bisection given the same items and
+    targets as before, and the same slack or one it never read (nothing inside a node reads ``node_slack``),
+    splits them the same way: its sides are reused instead of planned again, and the groups below it then find
+    theirs too (a lookahead's choice reads the budget of the levels below: reused at the same budget only)."""
     items = _as_items(items)
-    if isinstance(groups, int):
+    if isinstance(groups, int) or (nodes_only and isinstance(groups[0], int)):
         return [items]
     if len(groups) == 1:
-        return _split(items, groups[0], caps, targets, config, node_slack, memo, budget)
+        return _split(items, groups[0], caps, targets, config, node_slack, memo, budget, nodes_only)
     half = len(groups) // 2
-    left, right = groups[:half], groups[half:]
-    lb, rb = _leaves(left), _leaves(right)
+    halves = (groups[:half], groups[half:])
+    leaves = (_leaves(halves[0]), _leaves(halves[1]))
     between_nodes = not isinstance(groups[0], int)
-    rooms = (sum(caps[b] for b in lb), sum(caps[b] for b in rb))
-    wanted = (sum(targets[b] for b in lb), sum(targets[b] for b in rb))
+    rooms = (sum(caps[b] for b in leaves[0]), sum(caps[b] for b in leaves[1]))
+    wanted = (sum(targets[b] for b in leaves[0]), sum(targets[b] for b in leaves[1]))
     slack = config.slack
     if between_nodes and node_slack > config.slack:
         levels = _depth(len(groups))
@@ -1085,25 +1097,94 @@ def _split(items: Union[_Items, Sequence[_Item]], groups: list, caps: Sequence[i
         slack = _node_slack(budget, levels, config.slack)
     elif between_nodes:
         slack = node_slack
-    key = (tuple(lb), tuple(rb))
-    seen = memo.get(key) if memo is not None else None
-    if seen is not None and seen[1] == wanted and (seen[2] == slack or not seen[3]) and _same_items(seen[0], items):
-        sides = seen[4]
+    ahead = between_nodes and _depth(len(groups)) == 2 and bool(config.lookahead)
+    records = memo.setdefault((tuple(leaves[0]), tuple(leaves[1])), []) if memo is not None else []
+    for seen in records:
+        if (seen[1] == wanted and (seen[2] == slack or not seen[3]) and seen[5] == (budget if ahead else None)
+                and _same_items(seen[0], items)):
+            sides = seen[4]
+            break
     else:
         states: list = []
         sides = _bisect_items(items, rooms, wanted, between_nodes, config, slack, states)
-        if memo is not None:
-            memo[key] = (items, wanted, slack, any(state.slack_read for state in states), sides)
+        read = any(state.slack_read for state in states)
+        if ahead:
+            sides = _lookahead(items, sides, halves, rooms, wanted, caps, targets, config, node_slack, memo, budget,
+                               slack)
+            read = True
+        records.append((items, wanted, slack, read, sides, budget if ahead else None))
+    scaled, budgets = _rescaled(sides, leaves, wanted, targets, budget)
+    return (_split(sides[0], halves[0], caps, scaled, config, node_slack, memo, budgets[0], nodes_only)
+            + _split(sides[1], halves[1], caps, scaled, config, node_slack, memo, budgets[1], nodes_only))
+
+
+def _rescaled(sides: Sequence[_Items], leaves: Sequence[List[int]], wanted: Tuple[float, float],
+              targets: Sequence[float], budget: Optional[float]) -> Tuple[List[float], List[Optional[float]]]:
+    """The bins' targets rescaled to the area each side of a bisection received, and the budget left to the
+    levels between nodes below each side (``_split``)."""
     scaled, budgets = list(targets), [budget, budget]
-    for s, (side, leaves, side_target) in enumerate(zip(sides, (lb, rb), wanted)):
+    for s, (side, bins, side_target) in enumerate(zip(sides, leaves, wanted)):
         if side_target > 0:
             factor = side.total_area() / side_target
-            for b in leaves:
+            for b in bins:
                 scaled[b] = targets[b] * factor
             if budget is not None and factor > 0:
                 budgets[s] = budget / factor  # what is left to the levels below: a side under its target has more
-    return (_split(sides[0], left, caps, scaled, config, node_slack, memo, budgets[0])
-            + _split(sides[1], right, caps, scaled, config, node_slack, memo, budgets[1]))
+    return scaled, budgets
+
+
+def _lookahead(items: _Items, sides: List[_Items], halves: Tuple[list, list], rooms: Tuple[int, int],
+               wanted: Tuple[float, float], caps: Sequence[int], targets: Sequence[float], config: PlacementConfig,
+               node_slack: float, memo: Optional[dict], budget: Optional[float], slack: float) -> List[_Items]:
+    """The bisection between two groups of nodes (3 or 4 in all) that moves the fewest rows together with the
+    bisections between nodes below it: ``sides`` (each cut at its fewest rows), or the same bisection with every
+    heavy cut's piece for the side without the document's last token held to ``fraction`` x the largest such
+    piece of ``sides`` (``config.lookahead``), kept when within the slack.
+
+    The fewest rows here can come from a long, sparse piece that takes most of a side's tokens, so that the level
+    below has little room left to take the area of that side's other documents off the node holding their last
+    token, and cuts them at high horizons; a shorter, denser piece costs a few rows here and leaves that room
+    (docs/sequence_aware.md, "Lookahead")."""
+    cut = np.intersect1d(sides[0].doc, sides[1].doc)
+    if not len(cut):
+        return sides
+    ends = [dict(zip(side.doc[_among(side.doc, cut)].tolist(),
+                     zip(side.ends()[_among(side.doc, cut)].tolist(), side.length[_among(side.doc, cut)].tolist())))
+            for side in sides]
+    longest = max(min(ends[0][d], ends[1][d])[1] for d in cut.tolist())  # the pieces without the last token
+    error = max(abs(side.total_area() - w) for side, w in zip(sides, wanted))
+    allowed = max(error, slack * min(wanted) + 1e-5 * (sum(wanted) + 1.0))
+
+    def rows(candidate: List[_Items]) -> int:
+        scaled, budgets = _rescaled(candidate, [_leaves(h) for h in halves], wanted, targets, budget)
+        below = (_split(side, half, caps, scaled, config, node_slack, memo, side_budget, nodes_only=True)
+                 for side, half, side_budget in zip(candidate, halves, budgets))
+        return _cut_rows(candidate) + sum(_node_rows(nodes) for nodes in below)
+
+    best = (rows(sides), sides)
+    for fraction in config.lookahead:
+        candidate = _bisect_items(items, rooms, wanted, True, config, slack, cap=int(fraction * longest))
+        if max(abs(side.total_area() - w) for side, w in zip(candidate, wanted)) > allowed:
+            continue
+        if all(_same_items(a, b) for a, b in zip(candidate, sides)):
+            continue
+        cost = rows(candidate)
+        if cost < best[0]:
+            best = (cost, candidate)
+    return best[1]
+
+
+def _node_rows(nodes: Sequence[_Items]) -> int:
+    """Rows moved between ``nodes`` (one ``_Items`` each; the horizon formula: for every document, the ends of
+    its pieces on all of them but the one ending last)."""
+    doc = np.concatenate([n.doc for n in nodes])
+    end = np.concatenate([n.ends() for n in nodes])
+    order = np.lexsort((end, doc))
+    doc, end = doc[order], end[order]
+    kept = np.ones(len(doc), dtype=bool)
+    kept[-1:] = False
+    kept[:-1] = doc[1:] == doc[:-1]  # not the document's last (largest) end
+    return int(end[kept].sum())
 
 
 def _same_items(a: _Items, b: _Items) -> bool:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, fields
+from typing import Tuple
 
 __all__ = ["BALANCES", "PlacementConfig"]
 
@@ -67,6 +68,7 @@ class PlacementConfig:
     visits: int = 32
     reopened: int = 8
     heaviest: int = 6
+    lookahead: Tuple[float, ...] = (0.85, 0.7, 0.55, 0.4)
 
     def __post_init__(self) -> None:
         if self.balance not in BALANCES:
