@@ -857,9 +857,19 @@ def _subset_masks(n: int) -> Tuple[np.ndarray, np.ndarray]:
 def _exhaustive_bisection(items: List[_Item], rooms: Tuple[int, int], targets: Tuple[float, float],
                           slack: float, visits: int = PlacementConfig.visits,
                           cap: Optional[int] = None) -> Optional[List[List[_Item]]]:
+    """``_exhaustive_bisections``' cheapest split, or None."""
+    found = _exhaustive_bisections(items, rooms, targets, slack, visits, cap)
+    return found[0] if found else None
+
+
+def _exhaustive_bisections(items: List[_Item], rooms: Tuple[int, int], targets: Tuple[float, float],
+                           slack: float, visits: int = PlacementConfig.visits, cap: Optional[int] = None,
+                           count: int = 1, distinct: Collection[int] = ()) -> List[List[List[_Item]]]:
     """The cheapest split of a few items with at most one cut, over every subset of whole items for the left
     side (one item per document on each side); None when none is within ``slack`` of the targets. ``cap``: the
-    most tokens the cut may give the side without the item's last token (None: any).
+    most tokens the cut may give the side without the item's last token (None: any). ``count``: up to this many
+    splits, cheapest first, each the cheapest of its kind: which item is cut and which of the documents
+    ``distinct`` go left (``_lookahead`` weighs them with the levels below).
 
     The greedy bisection cuts the item that fits neither side at its cheapest cut *given the items placed
     before it*, which leaves the sides at the edge of feasibility and forces more cuts later (three documents
@@ -877,14 +887,14 @@ def _exhaustive_bisection(items: List[_Item], rooms: Tuple[int, int], targets: T
     exact = np.flatnonzero((tokens == rooms[0]) & (error <= slack))
     if len(exact):
         chosen = masks[exact[np.argmin(error[exact])]]
-        return [[it for it, b in zip(items, chosen) if b == side] for side in (1, 0)]
+        return [[[it for it, b in zip(items, chosen) if b == side] for side in (1, 0)]]
     room = rooms[0] - tokens
     lengths = tokens[1 << np.arange(n)]  # the one-item subsets
     # (item, subset) pairs where the item, not in the subset, would fill the room by a cut: one 2-D test,
     # grouped by item (each item's subsets increasing).
     cuts, pairs = np.nonzero((outside & (room[:, None] > 0) & (room[:, None] < lengths)).T)
     if not len(cuts):
-        return None
+        return []
     cut_length, cut_area = lengths[cuts], areas[1 << cuts]
     tau, missing = room[pairs], targets[0] - areas[pairs]
     # The areas of the cut item's [0, tau) and [0, L - tau): the least and (by their complement) the most
@@ -895,13 +905,16 @@ def _exhaustive_bisection(items: List[_Item], rooms: Tuple[int, int], targets: T
     if cap is not None:
         fits &= np.minimum(tau, cut_length - tau) <= cap
     if not fits.any():
-        return None
+        return []
     tau, missing, cut_length, cut_area = tau[fits], missing[fits], cut_length[fits], cut_area[fits]
     bounds = np.minimum(_least_end(tau, missing - 0.9 * slack), _least_end(cut_length - tau, cut_area - missing - 0.9 * slack))
     subsets, cut = pairs[fits], cuts[fits]
     best = None
+    kinds: dict = {}  # (cut item, the `distinct` items on the left) -> the cheapest split of that kind
+    marks = [k for k, it in enumerate(items) if it.doc in distinct]
     for k in np.argsort(bounds, kind="stable")[:visits].tolist():
-        if best is not None and bounds[k] >= best[0]:
+        if best is not None and (bounds[k] >= best[0] if count == 1 else len(kinds) >= count
+                                 and bounds[k] >= sorted(v[0] for v in kinds.values())[count - 1]):
             break
         m, c = int(subsets[k]), int(cut[k])
         it, tau = items[c], int(rooms[0] - tokens[m])
@@ -916,19 +929,25 @@ def _exhaustive_bisection(items: List[_Item], rooms: Tuple[int, int], targets: T
                 cost = it.end_position(x)
                 if best is None or cost < best[0]:
                     best = (cost, m, c, holder, x - length, x)
+                kind = (c,) + tuple(bool(masks[m, j]) for j in marks)
+                if count > 1 and (kind not in kinds or cost < kinds[kind][0]):
+                    kinds[kind] = (cost, m, c, holder, x - length, x)
     if best is None:
-        return None
-    _, m, c, holder, p, x = best
-    sides: List[List[_Item]] = [[], []]
-    for k, it in enumerate(items):
-        if k == c:
-            sides[holder].append(it.sub(p, x))
-            rest = it.sub(0, p).ranges + it.sub(x, it.length).ranges  # head and tail: one item (one per document)
-            if rest:
-                sides[1 - holder].append(_Item(it.doc, rest))
-        else:
-            sides[0 if masks[m, k] else 1].append(it)
-    return sides
+        return []
+    chosen = [best] if count == 1 else sorted(kinds.values(), key=lambda v: v[0])[:count]
+    found = []
+    for _, m, c, holder, p, x in chosen:
+        sides: List[List[_Item]] = [[], []]
+        for k, it in enumerate(items):
+            if k == c:
+                sides[holder].append(it.sub(p, x))
+                rest = it.sub(0, p).ranges + it.sub(x, it.length).ranges  # head and tail: one item per document
+                if rest:
+                    sides[1 - holder].append(_Item(it.doc, rest))
+            else:
+                sides[0 if masks[m, k] else 1].append(it)
+        found.append(sides)
+    return found
 
 
 def _bisect_items(items: Union[_Items, Sequence[_Item]], rooms: Tuple[int, int], targets: Tuple[float, float],
@@ -1013,6 +1032,17 @@ def _reopened(items: _Items, sides: List[_Items], cut: List[int], rooms: Tuple[i
     the traffic). After a single cut within the slack the search saved ~0.1-0.5 % of the rows at up to 2.5 ms
     per 1M-token plan (docs/sequence_aware.md), so it runs after one cut only where the greedy steps missed.
     ``cut``: the documents on both sides (at least 2, or 1 where ``missed``; at most ``config.reopened - 2``)."""
+    found, moved = _reopenings(items, sides, cut, rooms, targets, slack, config, cap)
+    if not found:
+        return sides
+    return found[0] if missed or _cut_rows(found[0], moved) < _cut_rows(sides, cut) else sides
+
+
+def _reopenings(items: _Items, sides: List[_Items], cut: Sequence[int], rooms: Tuple[int, int],
+                targets: Tuple[float, float], slack: float, config: PlacementConfig, cap: Optional[int] = None,
+                count: int = 1) -> Tuple[List[List[_Items]], np.ndarray]:
+    """``_reopened``'s search: up to ``count`` splits (``_exhaustive_bisections``, of distinct kinds: which item
+    is cut and where the cut documents and the heaviest go), and the documents it moved."""
     # The heaviest uncut items of both sides, by decreasing area (ties: left side first, then position).
     uncut = [np.flatnonzero(~_among(side.doc, cut)) for side in sides]
     heaviest = min(config.heaviest, config.reopened) - len(cut)
@@ -1034,15 +1064,17 @@ def _reopened(items: _Items, sides: List[_Items], cut: List[int], rooms: Tuple[i
     free += [sides[s].item(k) for s, k in chosen + alternate]
     moved = np.array(sorted(it.doc for it in free), dtype=np.int64)
     fixed = [side.take(np.flatnonzero(~_among(side.doc, moved))) for side in sides]
-    found = _exhaustive_bisection(free, tuple(r - int(f.length.sum()) for r, f in zip(rooms, fixed)),
-                                  tuple(t - f.total_area() for t, f in zip(targets, fixed)), slack, config.visits, cap)
-    if found is None:
-        return sides
+    found = _exhaustive_bisections(free, tuple(r - int(f.length.sum()) for r, f in zip(rooms, fixed)),
+                                   tuple(t - f.total_area() for t, f in zip(targets, fixed)), slack,
+                                   config.visits * count, cap, count, [it.doc for it in free if it.area > slack])
     joined = []
-    for f, side in zip(fixed, found):
-        side = _Items.of(side)
-        joined.append(_concat([f, side], {**{d: r for d, r in f.pieces.items() if d not in moved}, **side.pieces}))
-    return joined if missed or _cut_rows(joined, moved) < _cut_rows(sides, cut) else sides
+    for split in found:
+        joined.append([])
+        for f, side in zip(fixed, split):
+            side = _Items.of(side)
+            joined[-1].append(_concat([f, side], {**{d: r for d, r in f.pieces.items() if d not in moved},
+                                                  **side.pieces}))
+    return joined, moved
 
 
 def _shortest(lengths: np.ndarray, count: int) -> np.ndarray:
@@ -1097,7 +1129,7 @@ def _split(items: Union[_Items, Sequence[_Item]], groups: list, caps: Sequence[i
         slack = _node_slack(budget, levels, config.slack)
     elif between_nodes:
         slack = node_slack
-    ahead = between_nodes and _depth(len(groups)) == 2 and bool(config.lookahead)
+    ahead = between_nodes and _depth(len(groups)) == 2 and bool(config.lookahead or config.alternatives)
     records = memo.setdefault((tuple(leaves[0]), tuple(leaves[1])), []) if memo is not None else []
     for seen in records:
         if (seen[1] == wanted and (seen[2] == slack or not seen[3]) and seen[5] == (budget if ahead else None)
@@ -1136,39 +1168,52 @@ def _rescaled(sides: Sequence[_Items], leaves: Sequence[List[int]], wanted: Tupl
 def _lookahead(items: _Items, sides: List[_Items], halves: Tuple[list, list], rooms: Tuple[int, int],
                wanted: Tuple[float, float], caps: Sequence[int], targets: Sequence[float], config: PlacementConfig,
                node_slack: float, memo: Optional[dict], budget: Optional[float], slack: float) -> List[_Items]:
-    """The bisection between two groups of nodes (3 or 4 in all) that moves the fewest rows together with the
-    bisections between nodes below it: ``sides`` (each cut at its fewest rows), or the same bisection with every
-    heavy cut's piece for the side without the document's last token held to ``fraction`` x the largest such
-    piece of ``sides`` (``config.lookahead``), kept when within the slack.
+    """The bisection between two groups of nodes (3 or 4 nodes in all) that moves the fewest rows together with
+    the bisections between nodes below it, among ``sides`` (which cut documents, ``cut``) and candidates within
+    its slack: the same bisection with the piece each heavy cut gives the side without the document's last
+    token held to ``fraction`` x the longest such piece of ``sides`` (one candidate per fraction of
+    ``config.lookahead``), and the ``config.alternatives`` cheapest splits of ``_reopened``'s search of distinct
+    kinds (which item is cut, which side the heavy ones take).
 
-    The fewest rows here can come from a long, sparse piece that takes most of a side's tokens, so that the level
-    below has little room left to take the area of that side's other documents off the node holding their last
-    token, and cuts them at high horizons; a shorter, denser piece costs a few rows here and leaves that room
+    ``sides`` cuts at the fewest rows *of this bisection*. That can be a long, sparse piece taking most of a
+    side's tokens, so that the level below has little room to take the area of the side's other documents off
+    the node holding their last token and cuts them at high horizons; a shorter, denser piece costs a few rows
+    here and leaves that room. Or the cut document, of two that fit the rooms alike (pieces of equal positions
+    carry equal area whatever the document), is the one whose rest the level below must cut again
     (docs/sequence_aware.md, "Lookahead")."""
     cut = np.intersect1d(sides[0].doc, sides[1].doc)
     if not len(cut):
         return sides
-    ends = [dict(zip(side.doc[_among(side.doc, cut)].tolist(),
-                     zip(side.ends()[_among(side.doc, cut)].tolist(), side.length[_among(side.doc, cut)].tolist())))
-            for side in sides]
+    at = [_among(side.doc, cut) for side in sides]
+    ends = [dict(zip(side.doc[a].tolist(), zip(side.ends()[a].tolist(), side.length[a].tolist())))
+            for side, a in zip(sides, at)]
     longest = max(min(ends[0][d], ends[1][d])[1] for d in cut.tolist())  # the pieces without the last token
-    error = max(abs(side.total_area() - w) for side, w in zip(sides, wanted))
-    allowed = max(error, slack * min(wanted) + 1e-5 * (sum(wanted) + 1.0))
+    pairs = slack * min(wanted) + 1e-5 * (sum(wanted) + 1.0)  # the slack in causal pairs (``_Bisection.slack``)
+    allowed = max(pairs, max(abs(side.total_area() - w) for side, w in zip(sides, wanted)))
 
-    def rows(candidate: List[_Items]) -> int:
+    def rows(candidate: List[_Items], beat: float = math.inf) -> float:
+        """Rows of ``candidate`` and of the bisections between nodes below it (inf once they reach ``beat``)."""
+        total = _cut_rows(candidate)
         scaled, budgets = _rescaled(candidate, [_leaves(h) for h in halves], wanted, targets, budget)
-        below = (_split(side, half, caps, scaled, config, node_slack, memo, side_budget, nodes_only=True)
-                 for side, half, side_budget in zip(candidate, halves, budgets))
-        return _cut_rows(candidate) + sum(_node_rows(nodes) for nodes in below)
+        for side, half, side_budget in zip(candidate, halves, budgets):
+            if total >= beat:
+                return math.inf
+            total += _node_rows(_split(side, half, caps, scaled, config, node_slack, memo, side_budget,
+                                       nodes_only=True))
+        return total
 
     best = (rows(sides), sides)
-    for fraction in config.lookahead:
-        candidate = _bisect_items(items, rooms, wanted, True, config, slack, cap=int(fraction * longest))
+    candidates = [_bisect_items(items, rooms, wanted, True, config, slack, cap=int(fraction * longest))
+                  for fraction in config.lookahead]
+    if config.alternatives and len(cut) <= config.reopened - 2:
+        candidates += _reopenings(items, sides, cut.tolist(), rooms, wanted, pairs, config,
+                                  count=config.alternatives)[0]
+    for candidate in candidates:
         if max(abs(side.total_area() - w) for side, w in zip(candidate, wanted)) > allowed:
             continue
         if all(_same_items(a, b) for a, b in zip(candidate, sides)):
             continue
-        cost = rows(candidate)
+        cost = rows(candidate, best[0])
         if cost < best[0]:
             best = (cost, candidate)
     return best[1]
