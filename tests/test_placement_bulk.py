@@ -192,7 +192,8 @@ def test_light_items_are_dealt_as_the_per_item_rules_deal_them(listed, monkeypat
 #: the heaviest items, and after a single cut that missed the slack, inside a node too) changed the plans marked
 #: "issue 31", nothing in the light phase (its test above still holds); equal attention targets with tail padding
 #: changed padded batches only (short-docs, random-3/6/7/9/10 and knobs: 275 of its 283 padded batches; no
-#: unpadded plan changed). A deliberate change of the placement changes them: rerun ``_cases`` then, and compare
+#: unpadded plan changed); the lookahead between 3 or 4 nodes (step 6) changed pareto-tight and knobs, the only
+#: cases of 3-4 nodes whose first bisection found a candidate moving fewer rows in all. A deliberate change of the placement changes them: rerun ``_cases`` then, and compare
 #: its plan_report figures with the ones in docs/sequence_aware.md.
 PER_ITEM_PLANS = {
     "bimodal": "0d0d79d31ee5c15b",
