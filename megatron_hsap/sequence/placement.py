@@ -33,6 +33,10 @@ docs/sequence_aware.md has the full argument; in short, one bisection:
    the edge of feasibility and forces further cuts. A larger bisection between nodes that the greedy
    steps cut is searched again the same way over the documents they cut, the heaviest and the
    shortest items (``_reopened``), kept when it moves fewer rows.
+6. Between 3 or 4 nodes a bisection that cut a document is weighed with the bisections between nodes below it:
+   the same bisection with shorter pieces for the sides without the cut documents' last tokens, and other
+   splits of step 5's search, are planned down to single nodes and the one moving the fewest rows in all is
+   kept (``_lookahead``).
 
 A bisection's items are numpy arrays (``_Items``: one row per document; only pieces of cut documents carry ranges)
 and the steps over many items are numpy operations, with the per-item rules' results exactly (docs/sequence_aware.md,
@@ -866,7 +870,8 @@ def _exhaustive_bisections(items: List[_Item], rooms: Tuple[int, int], targets: 
                            slack: float, visits: int = PlacementConfig.visits, cap: Optional[int] = None,
                            count: int = 1, distinct: Collection[int] = ()) -> List[List[List[_Item]]]:
     """The cheapest split of a few items with at most one cut, over every subset of whole items for the left
-    side (one item per document on each side); None when none is within ``slack`` of the targets. ``cap``: the
+    side (one item per document on each side); none (an empty list) when none is within ``slack`` of the
+    targets. ``cap``: the
     most tokens the cut may give the side without the item's last token (None: any). ``count``: up to this many
     splits, cheapest first, each the cheapest of its kind: which item is cut and which of the documents
     ``distinct`` go left (``_lookahead`` weighs them with the levels below).
@@ -1042,7 +1047,7 @@ def _reopenings(items: _Items, sides: List[_Items], cut: Sequence[int], rooms: T
                 targets: Tuple[float, float], slack: float, config: PlacementConfig, cap: Optional[int] = None,
                 count: int = 1) -> Tuple[List[List[_Items]], np.ndarray]:
     """``_reopened``'s search: up to ``count`` splits (``_exhaustive_bisections``, of distinct kinds: which item
-    is cut and where the cut documents and the heaviest go), and the documents it moved."""
+    is cut and where each free item heavier than the ``slack`` goes), and the documents it moves."""
     # The heaviest uncut items of both sides, by decreasing area (ties: left side first, then position).
     uncut = [np.flatnonzero(~_among(side.doc, cut)) for side in sides]
     heaviest = min(config.heaviest, config.reopened) - len(cut)
@@ -1180,31 +1185,37 @@ def _lookahead(items: _Items, sides: List[_Items], halves: Tuple[list, list], ro
     the node holding their last token and cuts them at high horizons; a shorter, denser piece costs a few rows
     here and leaves that room. Or the cut document, of two that fit the rooms alike (pieces of equal positions
     carry equal area whatever the document), is the one whose rest the level below must cut again
-    (docs/sequence_aware.md, "Lookahead")."""
+    (docs/sequence_aware.md, "Recursive bisection", step 6)."""
     cut = np.intersect1d(sides[0].doc, sides[1].doc)
     if not len(cut):
         return sides
     at = [_among(side.doc, cut) for side in sides]
     ends = [dict(zip(side.doc[a].tolist(), zip(side.ends()[a].tolist(), side.length[a].tolist())))
             for side, a in zip(sides, at)]
-    longest = max(min(ends[0][d], ends[1][d])[1] for d in cut.tolist())  # the pieces without the last token
+    # The longest piece without its document's last token, and the side holding it.
+    longest, holder = max((min(ends[0][d], ends[1][d])[1], int(ends[1][d] < ends[0][d])) for d in cut.tolist())
     pairs = slack * min(wanted) + 1e-5 * (sum(wanted) + 1.0)  # the slack in causal pairs (``_Bisection.slack``)
     allowed = max(pairs, max(abs(side.total_area() - w) for side, w in zip(sides, wanted)))
 
-    def rows(candidate: List[_Items], beat: float = math.inf) -> float:
-        """Rows of ``candidate`` and of the bisections between nodes below it (inf once they reach ``beat``)."""
-        total = _cut_rows(candidate)
+    def rows(candidate: List[_Items], beat: float = math.inf) -> List[float]:
+        """Rows of ``candidate``, then of the bisections between nodes below each side (``[inf]`` once their sum
+        reaches ``beat``)."""
+        total = [_cut_rows(candidate)]
         scaled, budgets = _rescaled(candidate, [_leaves(h) for h in halves], wanted, targets, budget)
         for side, half, side_budget in zip(candidate, halves, budgets):
-            if total >= beat:
-                return math.inf
-            total += _node_rows(_split(side, half, caps, scaled, config, node_slack, memo, side_budget,
-                                       nodes_only=True))
+            if sum(total) >= beat:
+                return [math.inf]
+            total.append(_node_rows(_split(side, half, caps, scaled, config, node_slack, memo, side_budget,
+                                           nodes_only=True)))
         return total
 
-    best = (rows(sides), sides)
+    split = rows(sides)
+    best = (sum(split), sides)
+    # A shorter piece costs rows here and can only pay below it, on its side: tried where that side's level below
+    # moves at least as many rows as this bisection and the piece holds a share of the side's tokens.
+    shorter = split[1 + holder] >= split[0] and longest >= config.lookahead_share * rooms[holder]
     candidates = [_bisect_items(items, rooms, wanted, True, config, slack, cap=int(fraction * longest))
-                  for fraction in config.lookahead]
+                  for fraction in (config.lookahead if shorter else ())]
     if config.alternatives and len(cut) <= config.reopened - 2:
         candidates += _reopenings(items, sides, cut.tolist(), rooms, wanted, pairs, config,
                                   count=config.alternatives)[0]
@@ -1213,7 +1224,7 @@ def _lookahead(items: _Items, sides: List[_Items], halves: Tuple[list, list], ro
             continue
         if all(_same_items(a, b) for a, b in zip(candidate, sides)):
             continue
-        cost = rows(candidate, best[0])
+        cost = sum(rows(candidate, best[0]))
         if cost < best[0]:
             best = (cost, candidate)
     return best[1]
@@ -1226,8 +1237,7 @@ def _node_rows(nodes: Sequence[_Items]) -> int:
     end = np.concatenate([n.ends() for n in nodes])
     order = np.lexsort((end, doc))
     doc, end = doc[order], end[order]
-    kept = np.ones(len(doc), dtype=bool)
-    kept[-1:] = False
+    kept = np.zeros(len(doc), dtype=bool)
     kept[:-1] = doc[1:] == doc[:-1]  # not the document's last (largest) end
     return int(end[kept].sum())
 

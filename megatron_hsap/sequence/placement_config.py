@@ -51,10 +51,11 @@ class PlacementConfig:
     chooses which heavy documents stay whole on which side and which one is cut; 5 gave back what 6 saves on
     the bimodal pure ring of 4 x 8). lookahead / alternatives: a bisection between 3 or 4 nodes that cut a
     document is planned again with the piece each heavy cut gives the side without the document's last token
-    held to each fraction of ``lookahead`` times the longest such piece, and its search again yields the
-    ``alternatives`` cheapest splits of distinct kinds; the one moving the fewest rows together with the
-    bisections between nodes below it is kept (each candidate costs about three bisections between nodes;
-    ``()`` and 0: off). docs/sequence_aware.md quotes the tools/plan_report.py runs behind these choices.
+    held to each fraction of ``lookahead`` times the longest such piece (where that piece holds at least
+    ``lookahead_share`` of its side's tokens and the level below on its side moves at least as many rows as the
+    cut), and its search again yields the ``alternatives`` cheapest splits of distinct kinds; the one moving the
+    fewest rows together with the bisections between nodes below it is kept (each candidate costs about three
+    bisections between nodes; ``()`` and 0: off). docs/sequence_aware.md quotes the tools/plan_report.py runs behind these choices.
     """
 
     balance: str = "traffic"
@@ -73,6 +74,7 @@ class PlacementConfig:
     reopened: int = 8
     heaviest: int = 6
     lookahead: Tuple[float, ...] = (0.75,)
+    lookahead_share: float = 0.1
     alternatives: int = 0
 
     def __post_init__(self) -> None:
