@@ -940,19 +940,23 @@ def _exhaustive_bisections(items: List[_Item], rooms: Tuple[int, int], targets: 
     if best is None:
         return []
     chosen = [best] if count == 1 else sorted(kinds.values(), key=lambda v: v[0])[:count]
-    found = []
-    for _, m, c, holder, p, x in chosen:
-        sides: List[List[_Item]] = [[], []]
-        for k, it in enumerate(items):
-            if k == c:
-                sides[holder].append(it.sub(p, x))
-                rest = it.sub(0, p).ranges + it.sub(x, it.length).ranges  # head and tail: one item per document
-                if rest:
-                    sides[1 - holder].append(_Item(it.doc, rest))
-            else:
-                sides[0 if masks[m, k] else 1].append(it)
-        found.append(sides)
-    return found
+    return [_subset_split(items, masks[m], c, holder, p, x) for _, m, c, holder, p, x in chosen]
+
+
+def _subset_split(items: List[_Item], left: np.ndarray, c: int, holder: int, p: int, x: int) -> List[List[_Item]]:
+    """The sides of an ``_exhaustive_bisections`` split: the items marked in ``left`` (0/1 per item) on the left,
+    the others on the right, but item ``c``: stream offsets ``[p, x)`` to side ``holder``, its head and tail (one
+    item: one per document) to the other side."""
+    sides: List[List[_Item]] = [[], []]
+    for k, it in enumerate(items):
+        if k == c:
+            sides[holder].append(it.sub(p, x))
+            rest = it.sub(0, p).ranges + it.sub(x, it.length).ranges
+            if rest:
+                sides[1 - holder].append(_Item(it.doc, rest))
+        else:
+            sides[0 if left[k] else 1].append(it)
+    return sides
 
 
 def _bisect_items(items: Union[_Items, Sequence[_Item]], rooms: Tuple[int, int], targets: Tuple[float, float],
