@@ -19,7 +19,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from megatron_hsap.sequence.cost_model import CostModel, block_area, causal_area
-from megatron_hsap.sequence.doc_lengths import sample_doc_lengths
+from megatron_hsap.sequence.doc_lengths import bimodal_doc_lengths, sample_doc_lengths
 from megatron_hsap.sequence.layouts import check_layout
 from megatron_hsap.sequence.placement import sequence_aware_placement
 from megatron_hsap.sequence.placement_config import PlacementConfig
@@ -688,8 +688,6 @@ def test_lookahead_weighs_the_cut_between_nodes_with_the_level_below(seed: int, 
                                                                      on: PlacementConfig) -> None:
     """Bimodal 1M-token batches on 4 nodes: the bisection between two halves of the nodes chosen with the rows of
     the bisections below it moves fewer rows in all than the one cut at its own fewest rows, within the target."""
-    from megatron_hsap.sequence.doc_lengths import bimodal_doc_lengths
-
     lengths = bimodal_doc_lengths(1 << 20, seed=seed)
     rows = {}
     for name, config in (("off", off), ("on", on)):
