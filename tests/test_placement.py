@@ -19,7 +19,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from megatron_hsap.sequence.cost_model import CostModel, block_area, causal_area
-from megatron_hsap.sequence.doc_lengths import sample_doc_lengths
+from megatron_hsap.sequence.doc_lengths import bimodal_doc_lengths, sample_doc_lengths
 from megatron_hsap.sequence.layouts import check_layout
 from megatron_hsap.sequence.placement import sequence_aware_placement
 from megatron_hsap.sequence.placement_config import PlacementConfig
@@ -651,10 +651,56 @@ def test_cuts_of_the_greedy_bisection_are_searched_again() -> None:
     (dict(token_target=0.5), "token_target"), (dict(heavy=-0.1), "heavy"), (dict(exchange=2.5), "exchange"),
     (dict(visits=True), "visits"), (dict(rounds_inside_node=0), "rounds_inside_node"),
     (dict(slack=float("nan")), "slack"), (dict(attention_target=1.0005), "slack"),
+    (dict(lookahead=[0.5]), "lookahead"), (dict(lookahead=(1.0,)), "lookahead"), (dict(lookahead=(0,)), "lookahead"),
+    (dict(alternatives=-1), "alternatives"),
 ])
 def test_placement_config_refuses_bad_values_naming_the_field(kwargs: dict, name: str) -> None:
     with pytest.raises(ValueError, match=name):
         PlacementConfig(**kwargs)
+
+
+def _node_rows(segments: Sequence[Sequence[Tuple[int, int, int]]], ranks_per_node: int) -> int:
+    """Key/value rows crossing nodes with node-level forwarding (``PlanStats.recv_bytes_inter_forwarded``'s
+    rows, written out): each node needs every row of a document below its last query that it does not hold."""
+    last: Dict[Tuple[int, int], int] = {}
+    held: Dict[Tuple[int, int], int] = {}
+    for rank, segs in enumerate(segments):
+        for doc, start, end in segs:
+            key = (doc, rank // ranks_per_node)
+            last[key] = max(last.get(key, 0), end)
+            held[key] = held.get(key, 0) + end - start
+    return sum(last[key] - held[key] for key in last)
+
+
+@pytest.mark.parametrize("seed, members_per_node, off, on", [
+    # The first bisection's cheapest cut of the 423K-token document gives one side a 182K-token piece: the level
+    # below has 80K tokens left next to it for the 342K-token document's area and cuts it at 267K. A piece of at
+    # most 3/4 of those tokens (130K) costs 17K rows more there and leaves that cut at 204K (the other side's at
+    # 332K instead of 329K): 753K rows in all instead of 796K.
+    (2, 4, PlacementConfig(lookahead=()), PlacementConfig()),
+    # The first bisection cuts the 354K-token document where the 293K-token one fits the rooms alike (a piece of
+    # the same positions carries the same area): with that one cut instead, the level below cuts the 354K one
+    # once (at 210K) instead of cutting its rest on one side and the 293K one on the other: 675K rows, not 934K.
+    (4, 1, PlacementConfig(lookahead=()), PlacementConfig(lookahead=(), alternatives=2)),
+])
+def test_lookahead_weighs_the_cut_between_nodes_with_the_level_below(seed: int, members_per_node: int,
+                                                                     off: PlacementConfig,
+                                                                     on: PlacementConfig) -> None:
+    """Bimodal 1M-token batches on 4 nodes: the bisection between two halves of the nodes chosen with the rows of
+    the bisections below it moves fewer rows in all than the one cut at its own fewest rows, within the target."""
+    lengths = bimodal_doc_lengths(1 << 20, seed=seed)
+    rows = {}
+    for name, config in (("off", off), ("on", on)):
+        members = 4 * members_per_node
+        per_rank = -(-sum(lengths) // members)
+        segments = sequence_aware_placement(lengths, ring_size=members, ulysses_size=1,
+                                            ring_members_per_node=members_per_node, tokens_per_rank=per_rank,
+                                            placement=config)
+        check_layout(segments, lengths, per_rank)
+        area = [sum(causal_area(s, e) for _, s, e in segs) for segs in segments]
+        assert _imbalance(area) <= config.attention_target, name
+        rows[name] = _node_rows(segments, members_per_node)
+    assert rows["on"] < 0.95 * rows["off"], rows
 
 
 def test_placement_config_is_part_of_the_plan_cache_key() -> None:

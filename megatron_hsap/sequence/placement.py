@@ -33,6 +33,10 @@ docs/sequence_aware.md has the full argument; in short, one bisection:
    the edge of feasibility and forces further cuts. A larger bisection between nodes that the greedy
    steps cut is searched again the same way over the documents they cut, the heaviest and the
    shortest items (``_reopened``), kept when it moves fewer rows.
+6. Between 3 or 4 nodes a bisection that cut a document is weighed with the bisections between nodes below it:
+   the same bisection with shorter pieces for the sides without the cut documents' last tokens, and other
+   splits of step 5's search, are planned down to single nodes and the one moving the fewest rows in all is
+   kept (``_lookahead``).
 
 A bisection's items are numpy arrays (``_Items``: one row per document; only pieces of cut documents carry ranges)
 and the steps over many items are numpy operations, with the per-item rules' results exactly (docs/sequence_aware.md,
@@ -403,8 +407,10 @@ class _Bisection:
     """Two sides (0 = left, 1 = right) filled from one pool; see the module docstring."""
 
     def __init__(self, items: Union[_Items, Sequence[_Item]], rooms: Tuple[int, int], targets: Tuple[float, float],
-                 config: PlacementConfig, between_nodes: bool, slack: Optional[float] = None) -> None:
+                 config: PlacementConfig, between_nodes: bool, slack: Optional[float] = None,
+                 cap: Optional[int] = None) -> None:
         self.config = config
+        self.cap = cap  # the most tokens a heavy item's cut gives the side without its last token (None: any)
         self.rounds = config.rounds_between_nodes if between_nodes else config.rounds_inside_node
         self.items = _as_items(items).by_density()
         self.pool = _Pool(self.items, np.arange(len(self.items)))
@@ -516,7 +522,7 @@ class _Bisection:
         """
         n, pool, room = item.length, self.pool, self.room[holder]
         lo = max(0, n - self.room[1 - holder], room - pool.size(i))
-        hi = min(n, room)
+        hi = min(n, room) if self.cap is None else min(n, room, self.cap)
         if lo > hi:
             return None
         missing, slack = self.missing[holder], self.slack
@@ -853,9 +859,22 @@ def _subset_masks(n: int) -> Tuple[np.ndarray, np.ndarray]:
 
 
 def _exhaustive_bisection(items: List[_Item], rooms: Tuple[int, int], targets: Tuple[float, float],
-                          slack: float, visits: int = PlacementConfig.visits) -> Optional[List[List[_Item]]]:
+                          slack: float, visits: int = PlacementConfig.visits,
+                          cap: Optional[int] = None) -> Optional[List[List[_Item]]]:
+    """``_exhaustive_bisections``' cheapest split, or None."""
+    found = _exhaustive_bisections(items, rooms, targets, slack, visits, cap)
+    return found[0] if found else None
+
+
+def _exhaustive_bisections(items: List[_Item], rooms: Tuple[int, int], targets: Tuple[float, float],
+                           slack: float, visits: int = PlacementConfig.visits, cap: Optional[int] = None,
+                           count: int = 1, distinct: Collection[int] = ()) -> List[List[List[_Item]]]:
     """The cheapest split of a few items with at most one cut, over every subset of whole items for the left
-    side (one item per document on each side); None when none is within ``slack`` of the targets.
+    side (one item per document on each side); none (an empty list) when none is within ``slack`` of the
+    targets. ``cap``: the
+    most tokens the cut may give the side without the item's last token (None: any). ``count``: up to this many
+    splits, cheapest first, each the cheapest of its kind: which item is cut and which of the documents
+    ``distinct`` go left (``_lookahead`` weighs them with the levels below).
 
     The greedy bisection cuts the item that fits neither side at its cheapest cut *given the items placed
     before it*, which leaves the sides at the edge of feasibility and forces more cuts later (three documents
@@ -873,14 +892,14 @@ def _exhaustive_bisection(items: List[_Item], rooms: Tuple[int, int], targets: T
     exact = np.flatnonzero((tokens == rooms[0]) & (error <= slack))
     if len(exact):
         chosen = masks[exact[np.argmin(error[exact])]]
-        return [[it for it, b in zip(items, chosen) if b == side] for side in (1, 0)]
+        return [[[it for it, b in zip(items, chosen) if b == side] for side in (1, 0)]]
     room = rooms[0] - tokens
     lengths = tokens[1 << np.arange(n)]  # the one-item subsets
     # (item, subset) pairs where the item, not in the subset, would fill the room by a cut: one 2-D test,
     # grouped by item (each item's subsets increasing).
     cuts, pairs = np.nonzero((outside & (room[:, None] > 0) & (room[:, None] < lengths)).T)
     if not len(cuts):
-        return None
+        return []
     cut_length, cut_area = lengths[cuts], areas[1 << cuts]
     tau, missing = room[pairs], targets[0] - areas[pairs]
     # The areas of the cut item's [0, tau) and [0, L - tau): the least and (by their complement) the most
@@ -888,19 +907,26 @@ def _exhaustive_bisection(items: List[_Item], rooms: Tuple[int, int], targets: T
     heads = _areas_before(items, np.concatenate([cuts, cuts]), np.concatenate([tau, cut_length - tau]))
     head, rest = heads[:len(tau)], heads[len(tau):]
     fits = (head - slack <= missing) & (missing <= cut_area - rest + slack)
+    if cap is not None:
+        fits &= np.minimum(tau, cut_length - tau) <= cap
     if not fits.any():
-        return None
+        return []
     tau, missing, cut_length, cut_area = tau[fits], missing[fits], cut_length[fits], cut_area[fits]
     bounds = np.minimum(_least_end(tau, missing - 0.9 * slack), _least_end(cut_length - tau, cut_area - missing - 0.9 * slack))
     subsets, cut = pairs[fits], cuts[fits]
     best = None
+    kinds: dict = {}  # (cut item, the `distinct` items on the left) -> the cheapest split of that kind
+    marks = [k for k, it in enumerate(items) if it.doc in distinct]
     for k in np.argsort(bounds, kind="stable")[:visits].tolist():
-        if best is not None and bounds[k] >= best[0]:
+        if best is not None and (bounds[k] >= best[0] if count == 1 else len(kinds) >= count
+                                 and bounds[k] >= sorted(v[0] for v in kinds.values())[count - 1]):
             break
         m, c = int(subsets[k]), int(cut[k])
         it, tau = items[c], int(rooms[0] - tokens[m])
         missing = targets[0] - float(areas[m])
         for holder, length, area in ((0, tau, missing - 0.9 * slack), (1, it.length - tau, it.area - missing - 0.9 * slack)):
+            if cap is not None and length > cap:
+                continue
             # The holder gets `length` tokens carrying at least `area`, the least end position possible.
             head = it.area_before(length)
             x = _horizon_for(it, length, max(float(head), area), head)
@@ -908,37 +934,49 @@ def _exhaustive_bisection(items: List[_Item], rooms: Tuple[int, int], targets: T
                 cost = it.end_position(x)
                 if best is None or cost < best[0]:
                     best = (cost, m, c, holder, x - length, x)
+                kind = (c,) + tuple(bool(masks[m, j]) for j in marks)
+                if count > 1 and (kind not in kinds or cost < kinds[kind][0]):
+                    kinds[kind] = (cost, m, c, holder, x - length, x)
     if best is None:
-        return None
-    _, m, c, holder, p, x = best
+        return []
+    chosen = [best] if count == 1 else sorted(kinds.values(), key=lambda v: v[0])[:count]
+    return [_subset_split(items, masks[m], c, holder, p, x) for _, m, c, holder, p, x in chosen]
+
+
+def _subset_split(items: List[_Item], left: np.ndarray, c: int, holder: int, p: int, x: int) -> List[List[_Item]]:
+    """The sides of an ``_exhaustive_bisections`` split: the items marked in ``left`` (0/1 per item) on the left,
+    the others on the right, but item ``c``: stream offsets ``[p, x)`` to side ``holder``, its head and tail (one
+    item: one per document) to the other side."""
     sides: List[List[_Item]] = [[], []]
     for k, it in enumerate(items):
         if k == c:
             sides[holder].append(it.sub(p, x))
-            rest = it.sub(0, p).ranges + it.sub(x, it.length).ranges  # head and tail: one item (one per document)
+            rest = it.sub(0, p).ranges + it.sub(x, it.length).ranges
             if rest:
                 sides[1 - holder].append(_Item(it.doc, rest))
         else:
-            sides[0 if masks[m, k] else 1].append(it)
+            sides[0 if left[k] else 1].append(it)
     return sides
 
 
 def _bisect_items(items: Union[_Items, Sequence[_Item]], rooms: Tuple[int, int], targets: Tuple[float, float],
                   between_nodes: bool, config: PlacementConfig = PlacementConfig(),
-                  slack: Optional[float] = None, states: Optional[list] = None) -> List[_Items]:
+                  slack: Optional[float] = None, states: Optional[list] = None,
+                  cap: Optional[int] = None) -> List[_Items]:
     """Split ``items`` into two sides of exactly ``rooms`` tokens whose areas approach ``targets``.
     ``between_nodes``: the sides are groups of nodes, so short documents are not cut (inter-node traffic).
     ``slack``: how far (a fraction of the smaller target) a side may miss its target; default ``config.slack``.
-    ``states``: where given, the bisection's ``_Bisection`` is appended to it (whether it read its slack)."""
+    ``states``: where given, the bisection's ``_Bisection`` is appended to it (whether it read its slack).
+    ``cap``: the most tokens a heavy item's cut may give the side without its last token (``_lookahead``)."""
     items = _as_items(items)
     if rooms[0] == 0 or rooms[1] == 0:
         empty = items.take(np.zeros(0, dtype=np.int64))
         return [items, empty] if rooms[1] == 0 else [empty, items]
-    state = _Bisection(items, rooms, targets, config, between_nodes, slack)
+    state = _Bisection(items, rooms, targets, config, between_nodes, slack, cap)
     if states is not None:
         states.append(state)
     if between_nodes and len(items) <= config.exhaustive:
-        found = _exhaustive_bisection(items.items(), rooms, targets, state.slack, config.visits)
+        found = _exhaustive_bisection(items.items(), rooms, targets, state.slack, config.visits, cap)
         if found is not None:
             return [_Items.of(side) for side in found]
     pool = state.pool
@@ -969,7 +1007,7 @@ def _bisect_items(items: Union[_Items, Sequence[_Item]], rooms: Tuple[int, int],
     cut = sorted({it.doc for it in placed[0][3].values()} & {it.doc for it in placed[1][3].values()})
     if len(cut) < (1 if missed else 2) or len(cut) > config.reopened - 2:  # (state.slack not read: see above)
         return sides
-    return _reopened(items, sides, cut, rooms, targets, state.slack, config, missed)
+    return _reopened(items, sides, cut, rooms, targets, state.slack, config, missed, cap)
 
 
 def _cut_rows(sides: Sequence[Union[_Items, Sequence[_Item]]], docs: Optional[Sequence[int]] = None) -> int:
@@ -987,7 +1025,7 @@ def _cut_rows(sides: Sequence[Union[_Items, Sequence[_Item]]], docs: Optional[Se
 
 def _reopened(items: _Items, sides: List[_Items], cut: List[int], rooms: Tuple[int, int],
               targets: Tuple[float, float], slack: float, config: PlacementConfig,
-              missed: bool = False) -> List[_Items]:
+              missed: bool = False, cap: Optional[int] = None) -> List[_Items]:
     """The greedy bisection's cuts searched again (between nodes; inside a node only where it ``missed``): the
     documents it cut, whole, the heaviest whole items (by area; with the cut documents, ``config.heaviest`` in
     all) and the shortest whole items of each side (alternately, ``config.reopened`` items in all) are split
@@ -1003,6 +1041,17 @@ def _reopened(items: _Items, sides: List[_Items], cut: List[int], rooms: Tuple[i
     the traffic). After a single cut within the slack the search saved ~0.1-0.5 % of the rows at up to 2.5 ms
     per 1M-token plan (docs/sequence_aware.md), so it runs after one cut only where the greedy steps missed.
     ``cut``: the documents on both sides (at least 2, or 1 where ``missed``; at most ``config.reopened - 2``)."""
+    found, moved = _reopenings(items, sides, cut, rooms, targets, slack, config, cap)
+    if not found:
+        return sides
+    return found[0] if missed or _cut_rows(found[0], moved) < _cut_rows(sides, cut) else sides
+
+
+def _reopenings(items: _Items, sides: List[_Items], cut: Sequence[int], rooms: Tuple[int, int],
+                targets: Tuple[float, float], slack: float, config: PlacementConfig, cap: Optional[int] = None,
+                count: int = 1) -> Tuple[List[List[_Items]], np.ndarray]:
+    """``_reopened``'s search: up to ``count`` splits (``_exhaustive_bisections``, of distinct kinds: which item
+    is cut and where each free item heavier than the ``slack`` goes), and the documents it moves."""
     # The heaviest uncut items of both sides, by decreasing area (ties: left side first, then position).
     uncut = [np.flatnonzero(~_among(side.doc, cut)) for side in sides]
     heaviest = min(config.heaviest, config.reopened) - len(cut)
@@ -1024,15 +1073,17 @@ def _reopened(items: _Items, sides: List[_Items], cut: List[int], rooms: Tuple[i
     free += [sides[s].item(k) for s, k in chosen + alternate]
     moved = np.array(sorted(it.doc for it in free), dtype=np.int64)
     fixed = [side.take(np.flatnonzero(~_among(side.doc, moved))) for side in sides]
-    found = _exhaustive_bisection(free, tuple(r - int(f.length.sum()) for r, f in zip(rooms, fixed)),
-                                  tuple(t - f.total_area() for t, f in zip(targets, fixed)), slack, config.visits)
-    if found is None:
-        return sides
+    found = _exhaustive_bisections(free, tuple(r - int(f.length.sum()) for r, f in zip(rooms, fixed)),
+                                   tuple(t - f.total_area() for t, f in zip(targets, fixed)), slack,
+                                   config.visits * count, cap, count, [it.doc for it in free if it.area > slack])
     joined = []
-    for f, side in zip(fixed, found):
-        side = _Items.of(side)
-        joined.append(_concat([f, side], {**{d: r for d, r in f.pieces.items() if d not in moved}, **side.pieces}))
-    return joined if missed or _cut_rows(joined, moved) < _cut_rows(sides, cut) else sides
+    for split in found:
+        joined.append([])
+        for f, side in zip(fixed, split):
+            side = _Items.of(side)
+            joined[-1].append(_concat([f, side], {**{d: r for d, r in f.pieces.items() if d not in moved},
+                                                  **side.pieces}))
+    return joined, moved
 
 
 def _shortest(lengths: np.ndarray, count: int) -> np.ndarray:
@@ -1052,32 +1103,34 @@ def _shortest(lengths: np.ndarray, count: int) -> np.ndarray:
 
 def _split(items: Union[_Items, Sequence[_Item]], groups: list, caps: Sequence[int], targets: Sequence[float],
            config: PlacementConfig, node_slack: float, memo: Optional[dict] = None,
-           budget: Optional[float] = None) -> List[_Items]:
+           budget: Optional[float] = None, nodes_only: bool = False) -> List[_Items]:
     """Recursive bisection over a tree of bins: ``groups`` is a bin index or a list of subtrees; bisections
     inside a node may miss their targets by ``config.slack`` (a fraction), those between nodes by ``node_slack``
-    when it is ``config.slack`` (``"tight"``), else by what is left of a budget (``_node_slack``).
+    when it is ``config.slack`` (``"tight"``), else by what is left of a budget (``_node_slack``). A bisection
+    between 3 or 4 nodes is chosen with the rows of the one below it (``_lookahead``).
 
     Each side's bin targets are rescaled to the area the side actually received, so a bisection's error
     is shared by all the bins below it instead of landing on the last bin split (a node slightly over its
     target made one of its members several times as far over). ``budget``: how far over its share (a factor)
     the bisections between nodes of this subtree may put a node; ``None`` at the root, ``(1 + node_slack) **
-    levels``.
+    levels``. ``nodes_only``: stop at the nodes (one ``_Items`` per node; what ``_lookahead`` weighs).
 
     ``memo``: the bisections of earlier passes of the same placement (``sequence_aware_table`` plans again with
-    less slack between nodes), by group. A bisection given the same items and targets as before, and the same
-    slack or one it never read (nothing inside a node reads ``node_slack``), splits them the same way: its sides
-    are reused instead of planned again, and the groups below it then find theirs too."""
+    less slack between nodes) and those ``_lookahead`` weighed, by group. A bisection given the same items and
+    targets as before, and the same slack or one it never read (nothing inside a node reads ``node_slack``),
+    splits them the same way: its sides are reused instead of planned again, and the groups below it then find
+    theirs too (a lookahead's choice reads the budget of the levels below: reused at the same budget only)."""
     items = _as_items(items)
-    if isinstance(groups, int):
+    if isinstance(groups, int) or (nodes_only and isinstance(groups[0], int)):
         return [items]
     if len(groups) == 1:
-        return _split(items, groups[0], caps, targets, config, node_slack, memo, budget)
+        return _split(items, groups[0], caps, targets, config, node_slack, memo, budget, nodes_only)
     half = len(groups) // 2
-    left, right = groups[:half], groups[half:]
-    lb, rb = _leaves(left), _leaves(right)
+    halves = (groups[:half], groups[half:])
+    leaves = (_leaves(halves[0]), _leaves(halves[1]))
     between_nodes = not isinstance(groups[0], int)
-    rooms = (sum(caps[b] for b in lb), sum(caps[b] for b in rb))
-    wanted = (sum(targets[b] for b in lb), sum(targets[b] for b in rb))
+    rooms = (sum(caps[b] for b in leaves[0]), sum(caps[b] for b in leaves[1]))
+    wanted = (sum(targets[b] for b in leaves[0]), sum(targets[b] for b in leaves[1]))
     slack = config.slack
     if between_nodes and node_slack > config.slack:
         levels = _depth(len(groups))
@@ -1085,25 +1138,112 @@ def _split(items: Union[_Items, Sequence[_Item]], groups: list, caps: Sequence[i
         slack = _node_slack(budget, levels, config.slack)
     elif between_nodes:
         slack = node_slack
-    key = (tuple(lb), tuple(rb))
-    seen = memo.get(key) if memo is not None else None
-    if seen is not None and seen[1] == wanted and (seen[2] == slack or not seen[3]) and _same_items(seen[0], items):
-        sides = seen[4]
+    ahead = between_nodes and _depth(len(groups)) == 2 and bool(config.lookahead or config.alternatives)
+    records = memo.setdefault((tuple(leaves[0]), tuple(leaves[1])), []) if memo is not None else []
+    for seen in records:
+        if (seen[1] == wanted and (seen[2] == slack or not seen[3]) and seen[5] == (budget if ahead else None)
+                and _same_items(seen[0], items)):
+            sides = seen[4]
+            break
     else:
         states: list = []
         sides = _bisect_items(items, rooms, wanted, between_nodes, config, slack, states)
-        if memo is not None:
-            memo[key] = (items, wanted, slack, any(state.slack_read for state in states), sides)
+        read = any(state.slack_read for state in states)
+        if ahead:
+            sides = _lookahead(items, sides, halves, rooms, wanted, caps, targets, config, node_slack, memo, budget,
+                               slack)
+            read = True
+        records.append((items, wanted, slack, read, sides, budget if ahead else None))
+    scaled, budgets = _rescaled(sides, leaves, wanted, targets, budget)
+    return (_split(sides[0], halves[0], caps, scaled, config, node_slack, memo, budgets[0], nodes_only)
+            + _split(sides[1], halves[1], caps, scaled, config, node_slack, memo, budgets[1], nodes_only))
+
+
+def _rescaled(sides: Sequence[_Items], leaves: Sequence[List[int]], wanted: Tuple[float, float],
+              targets: Sequence[float], budget: Optional[float]) -> Tuple[List[float], List[Optional[float]]]:
+    """The bins' targets rescaled to the area each side of a bisection received, and the budget left to the
+    levels between nodes below each side (``_split``)."""
     scaled, budgets = list(targets), [budget, budget]
-    for s, (side, leaves, side_target) in enumerate(zip(sides, (lb, rb), wanted)):
+    for s, (side, bins, side_target) in enumerate(zip(sides, leaves, wanted)):
         if side_target > 0:
             factor = side.total_area() / side_target
-            for b in leaves:
+            for b in bins:
                 scaled[b] = targets[b] * factor
             if budget is not None and factor > 0:
                 budgets[s] = budget / factor  # what is left to the levels below: a side under its target has more
-    return (_split(sides[0], left, caps, scaled, config, node_slack, memo, budgets[0])
-            + _split(sides[1], right, caps, scaled, config, node_slack, memo, budgets[1]))
+    return scaled, budgets
+
+
+def _lookahead(items: _Items, sides: List[_Items], halves: Tuple[list, list], rooms: Tuple[int, int],
+               wanted: Tuple[float, float], caps: Sequence[int], targets: Sequence[float], config: PlacementConfig,
+               node_slack: float, memo: Optional[dict], budget: Optional[float], slack: float) -> List[_Items]:
+    """The bisection between two groups of nodes (3 or 4 nodes in all) that moves the fewest rows together with
+    the bisections between nodes below it, among ``sides`` (which cut documents, ``cut``) and candidates within
+    its slack: the same bisection with the piece each heavy cut gives the side without the document's last
+    token held to ``fraction`` x the longest such piece of ``sides`` (one candidate per fraction of
+    ``config.lookahead``), and the ``config.alternatives`` cheapest splits of ``_reopened``'s search of distinct
+    kinds (which item is cut, which side the heavy ones take).
+
+    ``sides`` cuts at the fewest rows *of this bisection*. That can be a long, sparse piece taking most of a
+    side's tokens, so that the level below has little room to take the area of the side's other documents off
+    the node holding their last token and cuts them at high horizons; a shorter, denser piece costs a few rows
+    here and leaves that room. Or the cut document, of two that fit the rooms alike (pieces of equal positions
+    carry equal area whatever the document), is the one whose rest the level below must cut again
+    (docs/sequence_aware.md, "Recursive bisection", step 6)."""
+    cut = np.intersect1d(sides[0].doc, sides[1].doc)
+    if not len(cut):
+        return sides
+    at = [_among(side.doc, cut) for side in sides]
+    ends = [dict(zip(side.doc[a].tolist(), zip(side.ends()[a].tolist(), side.length[a].tolist())))
+            for side, a in zip(sides, at)]
+    # The longest piece without its document's last token, and the side holding it.
+    longest, holder = max((min(ends[0][d], ends[1][d])[1], int(ends[1][d] < ends[0][d])) for d in cut.tolist())
+    pairs = slack * min(wanted) + 1e-5 * (sum(wanted) + 1.0)  # the slack in causal pairs (``_Bisection.slack``)
+    allowed = max(pairs, max(abs(side.total_area() - w) for side, w in zip(sides, wanted)))
+
+    def rows(candidate: List[_Items], beat: float = math.inf) -> List[float]:
+        """Rows of ``candidate``, then of the bisections between nodes below each side (``[inf]`` once their sum
+        reaches ``beat``)."""
+        total = [_cut_rows(candidate)]
+        scaled, budgets = _rescaled(candidate, [_leaves(h) for h in halves], wanted, targets, budget)
+        for side, half, side_budget in zip(candidate, halves, budgets):
+            if sum(total) >= beat:
+                return [math.inf]
+            total.append(_node_rows(_split(side, half, caps, scaled, config, node_slack, memo, side_budget,
+                                           nodes_only=True)))
+        return total
+
+    split = rows(sides)
+    best = (sum(split), sides)
+    # A shorter piece costs rows here and can only pay below it, on its side: tried where that side's level below
+    # moves at least as many rows as this bisection and the piece holds a share of the side's tokens.
+    shorter = split[1 + holder] >= split[0] and longest >= config.lookahead_share * rooms[holder]
+    candidates = [_bisect_items(items, rooms, wanted, True, config, slack, cap=int(fraction * longest))
+                  for fraction in (config.lookahead if shorter else ())]
+    if config.alternatives and len(cut) <= config.reopened - 2:
+        candidates += _reopenings(items, sides, cut.tolist(), rooms, wanted, pairs, config,
+                                  count=config.alternatives)[0]
+    for candidate in candidates:
+        if max(abs(side.total_area() - w) for side, w in zip(candidate, wanted)) > allowed:
+            continue
+        if all(_same_items(a, b) for a, b in zip(candidate, sides)):
+            continue
+        cost = sum(rows(candidate, best[0]))
+        if cost < best[0]:
+            best = (cost, candidate)
+    return best[1]
+
+
+def _node_rows(nodes: Sequence[_Items]) -> int:
+    """Rows moved between ``nodes`` (one ``_Items`` each; the horizon formula: for every document, the ends of
+    its pieces on all of them but the one ending last)."""
+    doc = np.concatenate([n.doc for n in nodes])
+    end = np.concatenate([n.ends() for n in nodes])
+    order = np.lexsort((end, doc))
+    doc, end = doc[order], end[order]
+    kept = np.zeros(len(doc), dtype=bool)
+    kept[:-1] = doc[1:] == doc[:-1]  # not the document's last (largest) end
+    return int(end[kept].sum())
 
 
 def _same_items(a: _Items, b: _Items) -> bool:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, fields
+from typing import Tuple
 
 __all__ = ["BALANCES", "PlacementConfig"]
 
@@ -48,8 +49,13 @@ class PlacementConfig:
     the shortest ones, this many in all, searched again over every subset (10 moved no fewer rows); heaviest: of
     those, the cut documents and the heaviest whole items (by area), this many in all (the search then also
     chooses which heavy documents stay whole on which side and which one is cut; 5 gave back what 6 saves on
-    the bimodal pure ring of 4 x 8). docs/sequence_aware.md quotes the tools/plan_report.py runs behind these
-    choices.
+    the bimodal pure ring of 4 x 8). lookahead / alternatives: a bisection between 3 or 4 nodes that cut a
+    document is planned again with the piece each heavy cut gives the side without the document's last token
+    held to each fraction of ``lookahead`` times the longest such piece (where that piece holds at least
+    ``lookahead_share`` of its side's tokens and the level below on its side moves at least as many rows as the
+    cut), and its search again yields the ``alternatives`` cheapest splits of distinct kinds; the one moving the
+    fewest rows together with the bisections between nodes below it is kept (each candidate costs about three
+    bisections between nodes; ``()`` and 0: off). docs/sequence_aware.md quotes the tools/plan_report.py runs behind these choices.
     """
 
     balance: str = "traffic"
@@ -67,6 +73,9 @@ class PlacementConfig:
     visits: int = 32
     reopened: int = 8
     heaviest: int = 6
+    lookahead: Tuple[float, ...] = (0.75,)
+    lookahead_share: float = 0.1
+    alternatives: int = 0
 
     def __post_init__(self) -> None:
         if self.balance not in BALANCES:
@@ -79,6 +88,10 @@ class PlacementConfig:
             if f.type == "float" and (isinstance(value, bool) or not isinstance(value, (int, float))
                                       or not math.isfinite(value) or value < 0):
                 raise ValueError(f"{f.name}={value!r} must be a finite number >= 0")
+        if (not isinstance(self.lookahead, tuple)
+                or not all(isinstance(f, (int, float)) and not isinstance(f, bool) and 0 < f < 1
+                           for f in self.lookahead)):
+            raise ValueError(f"lookahead={self.lookahead!r} must be a tuple of fractions in (0, 1)")
         for name in ("attention_target", "token_target"):
             if getattr(self, name) < 1.0:
                 raise ValueError(f"{name}={getattr(self, name)!r} must be >= 1.0 (a ratio to the mean)")
