@@ -1050,6 +1050,110 @@ def _shortest(lengths: np.ndarray, count: int) -> np.ndarray:
     return chosen[np.argsort(lengths[chosen], kind="stable")]
 
 
+def _shared(items: _Items, caps: Sequence[int], targets: Sequence[float],
+            config: PlacementConfig) -> Optional[List[_Items]]:
+    """The items of bins inside one node shared among them in one pass, in bin order, or None where a bin would miss
+    its target (``targets[b]``, summing to the items' area) by more than ``slack`` (a fraction of it, as a bisection
+    inside a node may): the caller then bisects.
+
+    Why: inside a node only balance and the node's own rows are at stake (the traffic between nodes is decided by
+    the bisections above), and a pure ring's node has many bins, each bisection a Python pass over its items. Here
+    each bin, in turn, takes whole items from both ends of the density order -- the densest left from the front, the
+    sparsest from the back -- and one piece of the densest item left (the *straddler*): from the back, the most
+    items (the fewest front tokens) whose area with the front's heads stays within the bin's cumulative target;
+    from the straddler, the window of the tokens left that makes up the rest with the least end position
+    (``_horizon_for``: the rows it moves). The straddler's rest goes first to the next bin. Short documents are
+    back items, never cut; a bin's error is at most one token's density and does not carry over (cumulative
+    targets)."""
+    order = items.by_density()
+    n, bins = len(order), len(caps)
+    lengths, tok, pre = order.length.tolist(), [0] * (n + 1), [0] * (n + 1)
+    tok[1:], pre[1:] = np.cumsum(order.length).tolist(), np.cumsum(order.area).tolist()
+    ranged = {k: order.item(k) for k in np.flatnonzero(_among(order.doc, order.pieces)).tolist()} if order.pieces else {}
+    owner = np.full(n, bins - 1, dtype=np.int64)  # the last bin takes what the others leave
+    pieces: List[List[_Item]] = [[] for _ in caps]
+    i, r, first, given, wanted = 0, n, None, 0, 0.0  # front item i (its rest `first` where cut), back items < r
+
+    def head(k: int, tau: int) -> int:
+        """Area of the first ``tau`` tokens of front item ``k``."""
+        it = first if k == i and first is not None else ranged.get(k)
+        return tau * (tau + 1) // 2 if it is None else it.area_before(tau)
+
+    def front(f: int) -> Tuple[int, int, int]:
+        """The front's first ``f`` tokens: (their area, straddler k, its tokens among them)."""
+        size = first.length if first is not None else lengths[i]
+        if f < size:
+            return head(i, f), i, f
+        p = tok[i + 1] + f - size
+        k = bisect.bisect_right(tok, p) - 1
+        whole = (first.area if first is not None else pre[i + 1] - pre[i]) + pre[k] - pre[i + 1]
+        return whole + (head(k, p - tok[k]) if k < n else 0), k, p - tok[k]
+
+    for b, cap in enumerate(caps[:-1]):
+        wanted += targets[b]
+        if cap == 0:
+            continue
+        if i >= r:
+            return None
+        need = wanted - given
+        # Back items e..r-1: the area grows with e (fewer sparse back tokens, more dense front ones).
+        lo = max(i + 1, bisect.bisect_left(tok, tok[r] - cap))
+        if lo > r:
+            return None
+
+        def area(e: int) -> int:
+            return pre[r] - pre[e] + front(cap - tok[r] + tok[e])[0]
+
+        if area(lo) > need:
+            return None
+        e = r
+        if area(r) > need:
+            hi = r
+            while hi - lo > 1:
+                mid = (lo + hi) // 2
+                lo, hi = (mid, hi) if area(mid) <= need else (lo, mid)
+            e = lo
+        taken, k, tau = front(cap - tok[r] + tok[e])
+        start = i if first is None else i + 1  # front items given whole from here
+        if first is not None and k > i:
+            pieces[b].append(first)
+        owner[start:k] = b
+        owner[e:r] = b
+        given += pre[r] - pre[e] + taken
+        if tau:
+            it = first if k == i and first is not None else order.item(k)
+            if it.length <= max(config.short * cap, config.short_tokens):
+                return None
+            least = head(k, tau)
+            x = _horizon_for(it, tau, need - (pre[r] - pre[e] + taken - least), least)
+            if x is None:
+                return None
+            piece = it.sub(x - tau, x)
+            pieces[b].append(piece)
+            owner[k] = -1
+            given += piece.area - least
+            first = _Item(it.doc, it.sub(0, x - tau).ranges + it.sub(x, it.length).ranges)
+        elif k > i:
+            first = None
+        i, r = k, e
+    if first is not None:
+        pieces[-1].append(first)
+        owner[i] = -1
+    counts = np.bincount(owner + 1, minlength=bins + 1)[1:]
+    index = np.argsort(owner, kind="stable")[n - int(counts.sum()):]
+    out, at = [], 0
+    for b, (count, extra) in enumerate(zip(counts.tolist(), pieces)):
+        part = order.take(index[at:at + count])
+        at += count
+        if extra:
+            part = _Items(*(np.concatenate([getattr(part, f), [getattr(p, f) for p in extra]])
+                            for f in ("doc", "length", "area")), {**order.pieces, **{p.doc: p.ranges for p in extra}})
+        if abs(part.total_area() - targets[b]) > config.slack * targets[b] + 1e-5 * (targets[b] + 1.0):
+            return None
+        out.append(part)
+    return out
+
+
 def _split(items: Union[_Items, Sequence[_Item]], groups: list, caps: Sequence[int], targets: Sequence[float],
            config: PlacementConfig, node_slack: float, memo: Optional[dict] = None,
            budget: Optional[float] = None) -> List[_Items]:
@@ -1085,6 +1189,10 @@ def _split(items: Union[_Items, Sequence[_Item]], groups: list, caps: Sequence[i
         slack = _node_slack(budget, levels, config.slack)
     elif between_nodes:
         slack = node_slack
+    if not between_nodes:
+        shared = _shared(items, [caps[b] for b in groups], [targets[b] for b in groups], config)
+        if shared is not None:
+            return shared
     key = (tuple(lb), tuple(rb))
     seen = memo.get(key) if memo is not None else None
     if seen is not None and seen[1] == wanted and (seen[2] == slack or not seen[3]) and _same_items(seen[0], items):
