@@ -4,9 +4,10 @@ Inside a ring member (one Ulysses group) the all-to-all gathers all of the membe
 tokens for each head group, so only a member's total cost matters; between members
 (and above all between nodes) every split document costs key/value traffic. The
 placement is a recursive bisection over the hierarchy -- halves of the nodes, down to
-single nodes, then halves of each node's members, down to single members -- followed by
-cutting each member's token stream into equal contiguous parts for its Ulysses ranks.
-docs/sequence_aware.md has the full argument; in short, one bisection:
+single nodes, then each node's items shared among its members in one pass (``_shared``; where
+that misses a member's target, halves of the node's members, down to single members) --
+followed by cutting each member's token stream into equal contiguous parts for its Ulysses
+ranks. docs/sequence_aware.md has the full argument; in short, one bisection:
 
 1. Both sides have an exact token capacity (only the last bins hold tail padding) and
    an attention target (an equal share of the attention per bin, within what its tokens can carry:
@@ -1244,7 +1245,9 @@ def _split(items: Union[_Items, Sequence[_Item]], groups: list, caps: Sequence[i
            budget: Optional[float] = None) -> List[_Items]:
     """Recursive bisection over a tree of bins: ``groups`` is a bin index or a list of subtrees; bisections
     inside a node may miss their targets by ``config.slack`` (a fraction), those between nodes by ``node_slack``
-    when it is ``config.slack`` (``"tight"``), else by what is left of a budget (``_node_slack``).
+    when it is ``config.slack`` (``"tight"``), else by what is left of a budget (``_node_slack``). The bins of a
+    node are first given the node's items in one pass (``_shared``); only where that misses a bin's target are they
+    bisected (each half then tried the same way).
 
     Each side's bin targets are rescaled to the area the side actually received, so a bisection's error
     is shared by all the bins below it instead of landing on the last bin split (a node slightly over its
@@ -1261,6 +1264,10 @@ def _split(items: Union[_Items, Sequence[_Item]], groups: list, caps: Sequence[i
         return [items]
     if len(groups) == 1:
         return _split(items, groups[0], caps, targets, config, node_slack, memo, budget)
+    if isinstance(groups[0], int):  # the bins of one node (or a part of one)
+        shared = _shared(items, [caps[b] for b in groups], [targets[b] for b in groups], config)
+        if shared is not None:
+            return shared
     half = len(groups) // 2
     left, right = groups[:half], groups[half:]
     lb, rb = _leaves(left), _leaves(right)
@@ -1274,10 +1281,6 @@ def _split(items: Union[_Items, Sequence[_Item]], groups: list, caps: Sequence[i
         slack = _node_slack(budget, levels, config.slack)
     elif between_nodes:
         slack = node_slack
-    if not between_nodes:
-        shared = _shared(items, [caps[b] for b in groups], [targets[b] for b in groups], config)
-        if shared is not None:
-            return shared
     key = (tuple(lb), tuple(rb))
     seen = memo.get(key) if memo is not None else None
     if seen is not None and seen[1] == wanted and (seen[2] == slack or not seen[3]) and _same_items(seen[0], items):
