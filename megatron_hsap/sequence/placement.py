@@ -1226,7 +1226,11 @@ def _shared(items: _Items, caps: Sequence[int], targets: Sequence[float],
     position: ``_horizon_for``, the rows it moves), its rest going first to the next bin. Where no window makes it
     up, a back item is cut instead: the bin takes its head, as many tokens as bring the area to the target. A bin
     ends above its cumulative target by less than one step of the window (or head) adds, which the next bin's
-    target takes back (cumulative targets); every bin is checked against its own."""
+    target takes back (cumulative targets); every bin is checked against its own. A node of short items only (none
+    it may cut) is declined at once: its bins are filled exactly by the bisections' exchanges of whole items."""
+    least_short = max(config.short * min((cap for cap in caps if cap), default=0), config.short_tokens)
+    if len(items) and int(items.length.max()) <= least_short:
+        return None
     stream = _Stream(items, len(caps))
     wanted = 0.0
     for b, cap in enumerate(caps[:-1]):
