@@ -1130,7 +1130,9 @@ class _Stream:
     def fill(self, b: int, cap: int, need: float, tolerance: float, short: float) -> bool:
         """Give bin ``b`` its ``cap`` tokens carrying ``need`` (within ``tolerance``): whole items from both ends and a
         window of the front's last item, or (``fill_cutting``) the head of a back item. False where neither can
-        without cutting an item of at most ``short`` tokens."""
+        without cutting an item of at most ``short`` tokens (or with no items left)."""
+        if self.i >= self.r:
+            return False
         r, lo = self.r, self.back_fits(cap)
 
         def area(e: int) -> int:  # back items e .. r - 1, the rest from the front
