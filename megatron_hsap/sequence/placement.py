@@ -4,9 +4,10 @@ Inside a ring member (one Ulysses group) the all-to-all gathers all of the membe
 tokens for each head group, so only a member's total cost matters; between members
 (and above all between nodes) every split document costs key/value traffic. The
 placement is a recursive bisection over the hierarchy -- halves of the nodes, down to
-single nodes, then halves of each node's members, down to single members -- followed by
-cutting each member's token stream into equal contiguous parts for its Ulysses ranks.
-docs/sequence_aware.md has the full argument; in short, one bisection:
+single nodes, then each node's items shared among its members in one pass (``_shared``; where
+that misses a member's target, halves of the node's members, down to single members) --
+followed by cutting each member's token stream into equal contiguous parts for its Ulysses
+ranks. docs/sequence_aware.md has the full argument; in short, one bisection:
 
 1. Both sides have an exact token capacity (only the last bins hold tail padding) and
    an attention target (an equal share of the attention per bin, within what its tokens can carry:
@@ -1101,13 +1102,210 @@ def _shortest(lengths: np.ndarray, count: int) -> np.ndarray:
     return chosen[np.argsort(lengths[chosen], kind="stable")]
 
 
+class _Stream:
+    """What is left of one node's items while ``_shared`` deals them: items ``i .. r - 1`` of the density order,
+    where item ``i`` (cut at the front) and item ``r - 1`` (its head cut off at the back) may be only the ``rest``
+    of what they were; what each bin received so far (``owner``: the bin of each item given whole, -1 for the cut
+    ones; ``pieces``: the pieces, per bin) and their area (``given``)."""
+
+    def __init__(self, items: _Items, bins: int) -> None:
+        self.items = items.by_density()
+        n = len(self.items)
+        self.lengths, self.tok, self.pre = self.items.length.tolist(), [0] * (n + 1), [0] * (n + 1)
+        self.tok[1:], self.pre[1:] = np.cumsum(self.items.length).tolist(), np.cumsum(self.items.area).tolist()
+        pieces = self.items.pieces
+        self.ranged = {k: self.items.item(k) for k in np.flatnonzero(_among(self.items.doc, pieces)).tolist()
+                       } if pieces else {}
+        self.i, self.r, self.rest = 0, n, {}
+        self.owner = np.full(n, -1, dtype=np.int64)
+        self.pieces: List[List[_Item]] = [[] for _ in range(bins)]
+        self.given = 0
+
+    def item(self, k: int) -> _Item:
+        return self.rest.get(k) or self.items.item(k)
+
+    def length(self, k: int) -> int:
+        return self.rest[k].length if k in self.rest else self.lengths[k]
+
+    def head(self, k: int, tau: int) -> int:
+        """Area of the first ``tau`` tokens of item ``k`` as it is now."""
+        it = self.rest.get(k) or self.ranged.get(k)
+        return tau * (tau + 1) // 2 if it is None else it.area_before(tau)
+
+    def span(self, a: int, b: int) -> Tuple[int, int]:
+        """Tokens and area of items ``a .. b - 1`` as they are now."""
+        tokens, area = self.tok[b] - self.tok[a], self.pre[b] - self.pre[a]
+        for k, it in self.rest.items():
+            if a <= k < b:
+                tokens += it.length - self.lengths[k]
+                area += it.area - (self.pre[k + 1] - self.pre[k])
+        return tokens, area
+
+    def front(self, f: int) -> Tuple[int, int, int]:
+        """The first ``f`` tokens left: their area, the item ``k`` they end in and their ``tau`` tokens of it (the
+        head; 0: they end at item ``k``)."""
+        i = self.i
+        size = self.length(i)
+        if f < size:
+            return self.head(i, f), i, f
+        p = self.tok[i + 1] + f - size
+        k = bisect.bisect_right(self.tok, p) - 1
+        tau = p - self.tok[k]
+        if k < self.r and tau >= self.length(k):  # (item r - 1, shorter than it was)
+            k, tau = k + 1, 0
+        return self.span(i, k)[1] + (self.head(k, tau) if tau else 0), k, tau
+
+    def back_fits(self, cap: int) -> int:
+        """The first ``e`` whose items ``e .. r - 1`` fit ``cap`` tokens (after the front item)."""
+        r = self.r
+        shorter = self.rest[r - 1].length - self.lengths[r - 1] if r - 1 in self.rest else 0
+        return min(max(self.i + 1, bisect.bisect_left(self.tok, self.tok[r] + shorter - cap)), r)
+
+    def take(self, b: int, a: int, z: int) -> None:
+        """Items ``a .. z - 1`` whole to bin ``b``."""
+        self.given += self.span(a, z)[1]
+        self.owner[a:z] = b
+        for k in [k for k in self.rest if a <= k < z]:
+            self.owner[k] = -1
+            self.pieces[b].append(self.rest.pop(k))
+
+    def cut(self, b: int, k: int, lo: int, hi: int) -> None:
+        """Stream offsets ``[lo, hi)`` of item ``k`` to bin ``b``; the rest stays as item ``k``."""
+        it = self.item(k)
+        piece = it.sub(lo, hi)
+        self.pieces[b].append(piece)
+        self.given += piece.area
+        self.rest[k] = _Item(it.doc, it.sub(0, lo).ranges + it.sub(hi, it.length).ranges)
+        self.owner[k] = -1
+
+    def fill(self, b: int, cap: int, need: float, tolerance: float, short: float) -> bool:
+        """Give bin ``b`` its ``cap`` tokens carrying ``need`` (within ``tolerance``): whole items from both ends and a
+        window of the front's last item, or (``fill_cutting``) the head of a back item. False where neither can
+        without cutting an item of at most ``short`` tokens (or with no items left)."""
+        if self.i >= self.r:
+            return False
+        r, lo = self.r, self.back_fits(cap)
+
+        def area(e: int) -> int:  # back items e .. r - 1, the rest from the front
+            tokens, back = self.span(e, r)
+            return back + self.front(cap - tokens)[0]
+
+        if area(lo) > need:
+            return self.fill_cutting(b, cap, need, lo - 1, short)  # the item that does not fit whole
+        e = r
+        if area(r) > need:  # the last e with area(e) <= need: the area grows with e (fewer back tokens)
+            hi = r
+            while hi - lo > 1:
+                mid = (lo + hi) // 2
+                lo, hi = (mid, hi) if area(mid) <= need else (lo, mid)
+            e = lo
+        back_tokens, back = self.span(e, r)
+        taken, k, tau = self.front(cap - back_tokens)
+        x = None
+        if tau and self.length(k) > short:
+            least = self.head(k, tau)
+            x = _horizon_for(self.item(k), tau, need - back - taken + least, least)
+        if x is None and (tau or need - back - taken > tolerance):
+            return self.fill_cutting(b, cap, need, e, short)  # item e: whole, the area is within need, without above
+        self.take(b, e, r)
+        self.take(b, self.i, k)
+        if tau:
+            self.cut(b, k, x - tau, x)
+        self.i, self.r = k, e
+        return True
+
+    def fill_cutting(self, b: int, cap: int, need: float, c: int, short: float) -> bool:
+        """``fill`` with the head of back item ``c`` (the back items after it whole, the rest from the front's heads):
+        as few of its tokens as bring the area within ``need``."""
+        r = self.r
+        if c <= self.i or c >= r or self.length(c) <= short:
+            return False
+        whole_tokens, whole = self.span(c + 1, r)
+        most = min(self.length(c) - 1, cap - whole_tokens)
+
+        def area(head: int) -> int:
+            return whole + self.head(c, head) + self.front(cap - whole_tokens - head)[0]
+
+        if most < 1 or area(most) > need:
+            return False
+        lo, hi = 0, most  # area(lo) > need >= area(hi)
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (lo, mid) if area(mid) <= need else (mid, hi)
+        _, k, tau = self.front(cap - whole_tokens - hi)
+        if k > c or (k == c and tau) or (tau and self.length(k) <= short):
+            return False
+        self.take(b, c + 1, r)
+        self.cut(b, c, 0, hi)
+        self.take(b, self.i, k)
+        if tau:
+            self.cut(b, k, 0, tau)
+        self.i, self.r = k, c + 1
+        return True
+
+    def bins(self) -> List[_Items]:
+        """What each bin received."""
+        n, counts = len(self.owner), np.bincount(self.owner + 1, minlength=len(self.pieces) + 1)[1:]
+        index = np.argsort(self.owner, kind="stable")[n - int(counts.sum()):]
+        out, at = [], 0
+        for count, extra in zip(counts.tolist(), self.pieces):
+            part = self.items.take(index[at:at + count])
+            at += count
+            if extra:
+                part = _Items(*(np.concatenate([getattr(part, f), [getattr(p, f) for p in extra]])
+                                for f in ("doc", "length", "area")),
+                              {**self.items.pieces, **{p.doc: p.ranges for p in extra}})
+            out.append(part)
+        return out
+
+
+def _tolerance(target: float, slack: float) -> float:
+    """How far a bin shared in one pass may end from its ``target``: ``slack`` of it, as a bisection's side may."""
+    return slack * target + 1e-5 * (target + 1.0)
+
+
+def _shared(items: _Items, caps: Sequence[int], targets: Sequence[float],
+            config: PlacementConfig) -> Optional[List[_Items]]:
+    """The items of bins inside one node shared among them in one pass, in bin order, or None where a bin would miss
+    its target (``targets[b]``, summing to the items' area) by more than ``config.slack`` (a fraction of it, as a
+    bisection inside a node may), or only by cutting an item of at most ``config.short`` of its tokens (or
+    ``config.short_tokens``): the caller then bisects.
+
+    Why: inside a node only balance and the node's own rows are at stake (the traffic between nodes is decided by
+    the bisections above), and a pure ring's node has many bins, a bisection each a Python pass over its items.
+    Here each bin in turn takes the densest items left from the front and the sparsest from the back, whole: from
+    the back the most (the fewest front tokens) whose area with the front's stays within the bin's cumulative
+    target; the rest of the area from a window of the densest item left (the front's last, cut with the least end
+    position: ``_horizon_for``, the rows it moves), its rest going first to the next bin. Where no window makes it
+    up, a back item is cut instead: the bin takes its head, as many tokens as bring the area to the target. A bin
+    ends above its cumulative target by less than one step of the window (or head) adds, which the next bin's
+    target takes back (cumulative targets); every bin is checked against its own. A node of short items only (none
+    it may cut) is declined at once: its bins are filled exactly by the bisections' exchanges of whole items."""
+    least_short = max(config.short * min((cap for cap in caps if cap), default=0), config.short_tokens)
+    if len(items) and int(items.length.max()) <= least_short:
+        return None
+    stream = _Stream(items, len(caps))
+    wanted = 0.0
+    for b, cap in enumerate(caps[:-1]):
+        wanted += targets[b]
+        short = max(config.short * cap, config.short_tokens)
+        if cap and not stream.fill(b, cap, wanted - stream.given, _tolerance(targets[b], config.slack), short):
+            return None
+    stream.take(len(caps) - 1, stream.i, stream.r)
+    out = stream.bins()
+    within = all(abs(part.total_area() - t) <= _tolerance(t, config.slack) for part, t in zip(out, targets))
+    return out if within else None
+
+
 def _split(items: Union[_Items, Sequence[_Item]], groups: list, caps: Sequence[int], targets: Sequence[float],
            config: PlacementConfig, node_slack: float, memo: Optional[dict] = None,
            budget: Optional[float] = None, nodes_only: bool = False) -> List[_Items]:
     """Recursive bisection over a tree of bins: ``groups`` is a bin index or a list of subtrees; bisections
     inside a node may miss their targets by ``config.slack`` (a fraction), those between nodes by ``node_slack``
     when it is ``config.slack`` (``"tight"``), else by what is left of a budget (``_node_slack``). A bisection
-    between 3 or 4 nodes is chosen with the rows of the one below it (``_lookahead``).
+    between 3 or 4 nodes is chosen with the rows of the one below it (``_lookahead``). The bins of a node are
+    first given the node's items in one pass (``_shared``); only where that misses a bin's target are they
+    bisected (each half then tried the same way).
 
     Each side's bin targets are rescaled to the area the side actually received, so a bisection's error
     is shared by all the bins below it instead of landing on the last bin split (a node slightly over its
@@ -1125,6 +1323,10 @@ def _split(items: Union[_Items, Sequence[_Item]], groups: list, caps: Sequence[i
         return [items]
     if len(groups) == 1:
         return _split(items, groups[0], caps, targets, config, node_slack, memo, budget, nodes_only)
+    if isinstance(groups[0], int):  # the bins of one node (or a part of one)
+        shared = _shared(items, [caps[b] for b in groups], [targets[b] for b in groups], config)
+        if shared is not None:
+            return shared
     half = len(groups) // 2
     halves = (groups[:half], groups[half:])
     leaves = (_leaves(halves[0]), _leaves(halves[1]))

@@ -35,7 +35,9 @@ class PlacementConfig:
     heavy: items above this fraction of the smaller side's target are placed one by one, the rest dealt as a window
     (whose area error is at most about one such item). short / short_tokens: between nodes, a heavy item of at most
     this fraction of the smaller side's tokens, or of at most this many tokens, is never cut (the light phase fills
-    rooms exactly by choosing and exchanging items; such a cut would buy nearly no balance). tiny: the shortest
+    rooms exactly by choosing and exchanging items; such a cut would buy nearly no balance); inside a node, the
+    pass sharing the node's items among its members never cuts an item of at most this fraction of a member's
+    tokens (or this many tokens), leaving such a node to the bisections. tiny: the shortest
     items holding this fraction of a bisection's tokens are shared in proportion to the rooms. exchange: items
     considered (shortest first) when exchanging a few to close a token gap. slack: a side may miss its target by
     this fraction in ``"tight"`` mode and inside nodes (the rest of the hierarchy adds its own error), and at least
