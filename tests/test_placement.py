@@ -652,7 +652,7 @@ def test_cuts_of_the_greedy_bisection_are_searched_again() -> None:
     (dict(visits=True), "visits"), (dict(rounds_inside_node=0), "rounds_inside_node"),
     (dict(slack=float("nan")), "slack"), (dict(attention_target=1.0005), "slack"),
     (dict(lookahead=[0.5]), "lookahead"), (dict(lookahead=(1.0,)), "lookahead"), (dict(lookahead=(0,)), "lookahead"),
-    (dict(alternatives=-1), "alternatives"),
+    (dict(alternatives=-1), "alternatives"), (dict(lookahead_nodes=-1), "lookahead_nodes"),
 ])
 def test_placement_config_refuses_bad_values_naming_the_field(kwargs: dict, name: str) -> None:
     with pytest.raises(ValueError, match=name):
@@ -701,6 +701,24 @@ def test_lookahead_weighs_the_cut_between_nodes_with_the_level_below(seed: int, 
         assert _imbalance(area) <= config.attention_target, name
         rows[name] = _node_rows(segments, members_per_node)
     assert rows["on"] < 0.95 * rows["off"], rows
+
+
+def test_lookahead_runs_on_at_most_lookahead_nodes() -> None:
+    """At 8 nodes the lookahead is off by default (``lookahead_nodes`` 4): the plan is that of ``lookahead=()``.
+    With ``lookahead_nodes=8`` it weighs the bisections between two halves of 4 nodes, which on this stdlib
+    batch (1M tokens, 8 nodes of one member) moves fewer rows, within the target."""
+    lengths = _heavy_tailed(10)
+    per_rank = -(-sum(lengths) // 8)
+    plans = {}
+    for name, config in (("default", PlacementConfig()), ("off", PlacementConfig(lookahead=())),
+                         ("eight", PlacementConfig(lookahead_nodes=8))):
+        segments = sequence_aware_placement(lengths, ring_size=8, ulysses_size=1, ring_members_per_node=1,
+                                            tokens_per_rank=per_rank, placement=config)
+        check_layout(segments, lengths, per_rank)
+        assert _imbalance([sum(causal_area(s, e) for _, s, e in segs) for segs in segments]) <= 1.02, name
+        plans[name] = segments
+    assert plans["default"] == plans["off"]
+    assert _node_rows(plans["eight"], 1) < 0.95 * _node_rows(plans["off"], 1)
 
 
 def test_placement_config_is_part_of_the_plan_cache_key() -> None:

@@ -47,6 +47,7 @@ and the steps over many items are numpy operations, with the per-item rules' res
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import functools
 import math
 from collections import Counter
@@ -1539,6 +1540,8 @@ def sequence_aware_table(doc_lengths: Sequence[int], *, ring_size: int, ulysses_
     if placement is not None and not isinstance(placement, PlacementConfig):
         raise ValueError(f"placement must be a PlacementConfig or None, got {type(placement).__name__}")
     config = placement or PlacementConfig()
+    if -(-ring_size // ring_members_per_node) > config.lookahead_nodes:
+        config = dataclasses.replace(config, lookahead=(), alternatives=0)
     lengths = _checked_lengths(doc_lengths)
     total = int(lengths.sum())
     member_tokens = ulysses_size * tokens_per_rank

@@ -57,7 +57,9 @@ class PlacementConfig:
     ``lookahead_share`` of its side's tokens and the level below on its side moves at least as many rows as the
     cut), and its search again yields the ``alternatives`` cheapest splits of distinct kinds; the one moving the
     fewest rows together with the bisections between nodes below it is kept (each candidate costs about three
-    bisections between nodes; ``()`` and 0: off). docs/sequence_aware.md quotes the tools/plan_report.py runs behind these choices.
+    bisections between nodes; ``()`` and 0: off). lookahead_nodes: both run only in placements over at most this
+    many nodes (at 8 nodes they moved as many rows on nearly every batch and cost planning time).
+    docs/sequence_aware.md quotes the tools/plan_report.py runs behind these choices.
     """
 
     balance: str = "traffic"
@@ -78,6 +80,7 @@ class PlacementConfig:
     lookahead: Tuple[float, ...] = (0.75,)
     lookahead_share: float = 0.1
     alternatives: int = 0
+    lookahead_nodes: int = 4
 
     def __post_init__(self) -> None:
         if self.balance not in BALANCES:
