@@ -321,6 +321,18 @@ def test_bisections_reused_by_later_passes_are_those_planned_again(name, lengths
     assert reuses is None or (reused > 0) == reuses, (name, reused)
 
 
+def test_a_bisection_that_cut_nothing_is_reused_at_any_budget() -> None:
+    """Between 4 nodes the lookahead's choice reads the budget of the levels below, so a bisection it weighed is
+    reused at the same budget only; one that cut no document (short documents between nodes) had nothing to weigh,
+    and the later passes (other slacks, other budgets) reuse it instead of bisecting every item again."""
+    lengths = [random.Random(3).randint(1, 20) for _ in range(3000)]
+    docs, groups, caps, targets, slacks = _passes(lengths, 4, 2, PlacementConfig())
+    memo: dict = {}
+    for slack in slacks:
+        placement_module._split(docs, groups, caps, targets, PlacementConfig(), slack, memo)
+    assert len(slacks) > 1 and len(memo[((0, 1, 2, 3), (4, 5, 6, 7))]) == 1
+
+
 def test_reuse_needs_the_same_targets_and_slack() -> None:
     """The same items under other targets, or a bisection that read its slack under another slack, are planned
     again: the memo hands back what fresh planning gives."""

@@ -1318,7 +1318,8 @@ def _split(items: Union[_Items, Sequence[_Item]], groups: list, caps: Sequence[i
     less slack between nodes) and those ``_lookahead`` weighed, by group. A bisection given the same items and
     targets as before, and the same slack or one it never read (nothing inside a node reads ``node_slack``),
     splits them the same way: its sides are reused instead of planned again, and the groups below it then find
-    theirs too (a lookahead's choice reads the budget of the levels below: reused at the same budget only)."""
+    theirs too (a lookahead's choice reads the budget of the levels below: reused at the same budget only; a
+    bisection that cut nothing has nothing to weigh and is reused at any budget)."""
     items = _as_items(items)
     if isinstance(groups, int) or (nodes_only and isinstance(groups[0], int)):
         return [items]
@@ -1344,7 +1345,7 @@ def _split(items: Union[_Items, Sequence[_Item]], groups: list, caps: Sequence[i
     ahead = between_nodes and _depth(len(groups)) == 2 and bool(config.lookahead or config.alternatives)
     records = memo.setdefault((tuple(leaves[0]), tuple(leaves[1])), []) if memo is not None else []
     for seen in records:
-        if (seen[1] == wanted and (seen[2] == slack or not seen[3]) and seen[5] == (budget if ahead else None)
+        if (seen[1] == wanted and (seen[2] == slack or not seen[3]) and seen[5] in (None, budget)
                 and _same_items(seen[0], items)):
             sides = seen[4]
             break
@@ -1352,11 +1353,12 @@ def _split(items: Union[_Items, Sequence[_Item]], groups: list, caps: Sequence[i
         states: list = []
         sides = _bisect_items(items, rooms, wanted, between_nodes, config, slack, states)
         read = any(state.slack_read for state in states)
-        if ahead:
+        weighed = ahead and len(sides[0]) + len(sides[1]) > len(items)  # a document cut (one item per document)
+        if weighed:
             sides = _lookahead(items, sides, halves, rooms, wanted, caps, targets, config, node_slack, memo, budget,
                                slack)
             read = True
-        records.append((items, wanted, slack, read, sides, budget if ahead else None))
+        records.append((items, wanted, slack, read, sides, budget if weighed else None))
     scaled, budgets = _rescaled(sides, leaves, wanted, targets, budget)
     return (_split(sides[0], halves[0], caps, scaled, config, node_slack, memo, budgets[0], nodes_only)
             + _split(sides[1], halves[1], caps, scaled, config, node_slack, memo, budgets[1], nodes_only))
@@ -1381,8 +1383,8 @@ def _lookahead(items: _Items, sides: List[_Items], halves: Tuple[list, list], ro
                wanted: Tuple[float, float], caps: Sequence[int], targets: Sequence[float], config: PlacementConfig,
                node_slack: float, memo: Optional[dict], budget: Optional[float], slack: float) -> List[_Items]:
     """The bisection between two groups of nodes (3 or 4 nodes in all) that moves the fewest rows together with
-    the bisections between nodes below it, among ``sides`` (which cut documents, ``cut``) and candidates within
-    its slack: the same bisection with the piece each heavy cut gives the side without the document's last
+    the bisections between nodes below it, among ``sides`` (which cut one document or more, ``cut``) and candidates
+    within its slack: the same bisection with the piece each heavy cut gives the side without the document's last
     token held to ``fraction`` x the longest such piece of ``sides`` (one candidate per fraction of
     ``config.lookahead``), and the ``config.alternatives`` cheapest splits of ``_reopened``'s search of distinct
     kinds (which item is cut, which side the heavy ones take).
@@ -1393,9 +1395,7 @@ def _lookahead(items: _Items, sides: List[_Items], halves: Tuple[list, list], ro
     here and leaves that room. Or the cut document, of two that fit the rooms alike (pieces of equal positions
     carry equal area whatever the document), is the one whose rest the level below must cut again
     (docs/sequence_aware.md, "Recursive bisection", step 6)."""
-    cut = np.intersect1d(sides[0].doc, sides[1].doc)
-    if not len(cut):
-        return sides
+    cut = np.intersect1d(sides[0].doc, sides[1].doc, assume_unique=True)  # (one item per document on a side)
     at = [_among(side.doc, cut) for side in sides]
     ends = [dict(zip(side.doc[a].tolist(), zip(side.ends()[a].tolist(), side.length[a].tolist())))
             for side, a in zip(sides, at)]
