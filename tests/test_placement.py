@@ -864,7 +864,7 @@ def test_two_node_bound_sees_the_document_every_placement_cuts() -> None:
     assert 0 < two_node_rows_lower_bound(lengths, None, 1.02) < bound
 
 
-@pytest.mark.parametrize("seed", range(2))
+@pytest.mark.parametrize("seed", [1, 2])
 def test_two_node_bound_is_below_the_planners_rows(seed: int) -> None:
     """Smaller bimodal batches (256K tokens, long documents 16K-128K) at 2 x 8 hybrid and 2 x 4 pure ring: the
     bound at the plan's own balance and node tokens never exceeds the rows the plan moves across nodes."""
