@@ -123,6 +123,10 @@ class _Item:
             offset -= e - s
         return self.ranges[-1][1]
 
+    def outside(self, lo: int, hi: int) -> Ranges:
+        """The ranges of the stream outside offsets ``[lo, hi)``: its head and tail, one item (one per document)."""
+        return self.sub(0, lo).ranges + self.sub(hi, self.length).ranges
+
     def sub(self, lo: int, hi: int) -> "_Item":
         """The item made of stream offsets ``[lo, hi)``."""
         out, pos = [], 0
@@ -374,6 +378,13 @@ def _horizon_for(item: _Item, tau: int, area: float, head: Optional[int] = None)
     return None
 
 
+def _pairs_slack(slack: float, targets: Sequence[float]) -> float:
+    """How far (causal pairs) a side may end from its target when it may miss it by ``slack`` (a fraction of the
+    smallest of ``targets``), plus a rounding margin of the pairs at stake: a bisection's sides, or one bin of a
+    node's single pass (``targets`` of one)."""
+    return slack * min(targets) + 1e-5 * (sum(targets) + 1.0)
+
+
 def _steps(window: float, slope: int, area: float) -> int:
     """Fewest tokens ``step >= 1`` with ``window + slope * step >= area`` (``window < area``, ``slope > 0``): the
     ceiling of the quotient, corrected by one where float rounding put it off."""
@@ -423,7 +434,7 @@ class _Bisection:
         self._columns: Optional[Tuple[List[int], List[int], List[int]]] = None  # the items' columns as lists (sides)
         # A side may end this far from its target (``slack``: a fraction of the smaller side's target, default
         # ``config.slack``): documents are not cut for a smaller gain.
-        self._slack = (config.slack if slack is None else slack) * min(targets) + 1e-5 * (sum(targets) + 1.0)
+        self._slack = _pairs_slack(config.slack if slack is None else slack, targets)
         self.slack_read = False
 
     @property
@@ -873,10 +884,9 @@ def _exhaustive_bisections(items: List[_Item], rooms: Tuple[int, int], targets: 
                            count: int = 1, distinct: Collection[int] = ()) -> List[List[List[_Item]]]:
     """The cheapest split of a few items with at most one cut, over every subset of whole items for the left
     side (one item per document on each side); none (an empty list) when none is within ``slack`` of the
-    targets. ``cap``: the
-    most tokens the cut may give the side without the item's last token (None: any). ``count``: up to this many
-    splits, cheapest first, each the cheapest of its kind: which item is cut and which of the documents
-    ``distinct`` go left (``_lookahead`` weighs them with the levels below).
+    targets. ``cap``: the most tokens the cut may give the side without the item's last token (None: any).
+    ``count``: up to this many splits, cheapest first, each the cheapest of its kind: which item is cut and which
+    of the documents ``distinct`` go left (``_lookahead`` weighs them with the levels below).
 
     The greedy bisection cuts the item that fits neither side at its cheapest cut *given the items placed
     before it*, which leaves the sides at the edge of feasibility and forces more cuts later (three documents
@@ -953,7 +963,7 @@ def _subset_split(items: List[_Item], left: np.ndarray, c: int, holder: int, p: 
     for k, it in enumerate(items):
         if k == c:
             sides[holder].append(it.sub(p, x))
-            rest = it.sub(0, p).ranges + it.sub(x, it.length).ranges
+            rest = it.outside(p, x)
             if rest:
                 sides[1 - holder].append(_Item(it.doc, rest))
         else:
@@ -1001,7 +1011,7 @@ def _bisect_items(items: Union[_Items, Sequence[_Item]], rooms: Tuple[int, int],
     # over its share on a lognormal batch in a pure ring of 8 x 8); between nodes, so are several cuts.
     # The slack is read (``_Bisection.slack``: ``_split``'s memo) only where the error is above the least slack any
     # pass gives, ``config.slack``: below it, no pass finds the sides off their targets.
-    error, least = abs(sides[0].total_area() - targets[0]), config.slack * min(targets) + 1e-5 * (sum(targets) + 1.0)
+    error, least = abs(sides[0].total_area() - targets[0]), _pairs_slack(config.slack, targets)
     missed = error > state.slack if error > least or state._slack < least else False
     if not between_nodes and not missed:
         return sides
@@ -1013,16 +1023,12 @@ def _bisect_items(items: Union[_Items, Sequence[_Item]], rooms: Tuple[int, int],
 
 
 def _cut_rows(sides: Sequence[Union[_Items, Sequence[_Item]]], docs: Optional[Sequence[int]] = None) -> int:
-    """Rows a bisection moves: for each document on both sides (all among ``docs`` where given), the end of the
-    piece not holding its last position (the horizon formula, one cut per document)."""
+    """Rows a bisection moves (``_node_rows`` of its two sides), counting only the documents ``docs`` where
+    given."""
     sides = [_as_items(side) for side in sides]
-    if docs is None:
-        docs = np.intersect1d(sides[0].doc, sides[1].doc)
-    ends: List[dict] = []
-    for side in sides:
-        at = np.flatnonzero(_among(side.doc, docs))
-        ends.append(dict(zip(side.doc[at].tolist(), side.ends()[at].tolist())))
-    return sum(min(end, ends[1][doc]) for doc, end in ends[0].items() if doc in ends[1])
+    if docs is not None:
+        sides = [side.take(np.flatnonzero(_among(side.doc, docs))) for side in sides]
+    return _node_rows(sides)
 
 
 def _reopened(items: _Items, sides: List[_Items], cut: List[int], rooms: Tuple[int, int],
@@ -1176,7 +1182,7 @@ class _Stream:
         piece = it.sub(lo, hi)
         self.pieces[b].append(piece)
         self.given += piece.area
-        self.rest[k] = _Item(it.doc, it.sub(0, lo).ranges + it.sub(hi, it.length).ranges)
+        self.rest[k] = _Item(it.doc, it.outside(lo, hi))
         self.owner[k] = -1
 
     def fill(self, b: int, cap: int, need: float, tolerance: float, short: float) -> bool:
@@ -1260,11 +1266,6 @@ class _Stream:
         return out
 
 
-def _tolerance(target: float, slack: float) -> float:
-    """How far a bin shared in one pass may end from its ``target``: ``slack`` of it, as a bisection's side may."""
-    return slack * target + 1e-5 * (target + 1.0)
-
-
 def _shared(items: _Items, caps: Sequence[int], targets: Sequence[float],
             config: PlacementConfig) -> Optional[List[_Items]]:
     """The items of bins inside one node shared among them in one pass, in bin order, or None where a bin would miss
@@ -1290,11 +1291,11 @@ def _shared(items: _Items, caps: Sequence[int], targets: Sequence[float],
     for b, cap in enumerate(caps[:-1]):
         wanted += targets[b]
         short = max(config.short * cap, config.short_tokens)
-        if cap and not stream.fill(b, cap, wanted - stream.given, _tolerance(targets[b], config.slack), short):
+        if cap and not stream.fill(b, cap, wanted - stream.given, _pairs_slack(config.slack, (targets[b],)), short):
             return None
     stream.take(len(caps) - 1, stream.i, stream.r)
     out = stream.bins()
-    within = all(abs(part.total_area() - t) <= _tolerance(t, config.slack) for part, t in zip(out, targets))
+    within = all(abs(part.total_area() - t) <= _pairs_slack(config.slack, (t,)) for part, t in zip(out, targets))
     return out if within else None
 
 
@@ -1401,7 +1402,7 @@ def _lookahead(items: _Items, sides: List[_Items], halves: Tuple[list, list], ro
             for side, a in zip(sides, at)]
     # The longest piece without its document's last token, and the side holding it.
     longest, holder = max((min(ends[0][d], ends[1][d])[1], int(ends[1][d] < ends[0][d])) for d in cut.tolist())
-    pairs = slack * min(wanted) + 1e-5 * (sum(wanted) + 1.0)  # the slack in causal pairs (``_Bisection.slack``)
+    pairs = _pairs_slack(slack, wanted)
     allowed = max(pairs, max(abs(side.total_area() - w) for side, w in zip(sides, wanted)))
 
     def rows(candidate: List[_Items], beat: float = math.inf) -> List[float]:
@@ -1540,8 +1541,6 @@ def sequence_aware_table(doc_lengths: Sequence[int], *, ring_size: int, ulysses_
     if placement is not None and not isinstance(placement, PlacementConfig):
         raise ValueError(f"placement must be a PlacementConfig or None, got {type(placement).__name__}")
     config = placement or PlacementConfig()
-    if -(-ring_size // ring_members_per_node) > config.lookahead_nodes:
-        config = dataclasses.replace(config, lookahead=(), alternatives=0)
     lengths = _checked_lengths(doc_lengths)
     total = int(lengths.sum())
     member_tokens = ulysses_size * tokens_per_rank
@@ -1555,6 +1554,8 @@ def sequence_aware_table(doc_lengths: Sequence[int], *, ring_size: int, ulysses_
     targets = _attention_targets(caps, docs.total_area(), lengths)
     nodes = [list(range(m, min(m + ring_members_per_node, ring_size)))
              for m in range(0, ring_size, ring_members_per_node)]
+    if len(nodes) > config.lookahead_nodes:
+        config = dataclasses.replace(config, lookahead=(), alternatives=0)
     # Planned with the widest slack first; kept when every member's attention is within the target of its own
     # (equal targets without padding: the attention imbalance), else planned again with the next slack (when
     # none meets it, the one closest to it is kept).
