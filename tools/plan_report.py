@@ -219,8 +219,13 @@ def lower_bound_bytes(lengths: Sequence[int], topo: CPTopology, model: CostModel
     ``capacity=False`` any token counts (see ``inter_node_rows_lower_bound``; on two nodes the larger of it and
     ``two_node_rows_lower_bound``)."""
     nodes = len(set(topo.node_of_cp_rank))
-    node_tokens = -(-sum(lengths) // topo.cp_size) * (topo.cp_size // nodes) if capacity else None
+    node_tokens = _node_capacity(lengths, topo, nodes) if capacity else None
     return _lower_bound_rows(tuple(lengths), nodes, imbalance, node_tokens) * _row_bytes(topo, model)
+
+
+def _node_capacity(lengths: Sequence[int], topo: CPTopology, nodes: int) -> int:
+    """The tokens plan_batch gives a node: its ranks' equal shares (tail padding included)."""
+    return -(-sum(lengths) // topo.cp_size) * (topo.cp_size // nodes)
 
 
 @functools.lru_cache(maxsize=None)
@@ -340,7 +345,7 @@ def bounds(mix: str, size: str, layout: str, batches: int, seed: int, model: Cos
     larger of the two with the token target instead (nodes up to ``TOKEN_TARGET`` x the mean tokens), against the
     needed-rows zigzag; then the sums over the batches."""
     config = config or PlacementConfig()
-    nodes, per_node = LAYOUTS[layout]
+    nodes, _ = LAYOUTS[layout]
     if nodes != 2:
         raise ValueError(f"--bounds needs a two-node layout, got {layout!r}")
     topo = topology(layout, "hybrid")
@@ -348,13 +353,12 @@ def bounds(mix: str, size: str, layout: str, batches: int, seed: int, model: Cos
     lines = []
     for b in range(batches):
         lengths = batch_lengths(mix, SIZES[size], seed + b)
-        capacity = -(-sum(lengths) // topo.cp_size) * per_node
+        capacity = _node_capacity(lengths, topo, 2)
         zigzag = plan_batch(cu_seqlens_from_lengths(lengths), topo, "zigzag", cost_model=model)
         per_document = inter_node_rows_lower_bound(lengths, 2, config.attention_target, capacity)
         two_node = two_node_rows_lower_bound(lengths, capacity, config.attention_target)
         target_tokens = int(TOKEN_TARGET * sum(lengths) / 2)
-        at_token_target = max(inter_node_rows_lower_bound(lengths, 2, config.attention_target, target_tokens),
-                              two_node_rows_lower_bound(lengths, target_tokens, config.attention_target))
+        at_token_target = _lower_bound_rows(tuple(lengths), 2, config.attention_target, target_tokens)
         zigzag_rows = summarise(zigzag, model)["forwarded"] // _row_bytes(topo, model)
         figures = (per_document, two_node, max(per_document, two_node), at_token_target, zigzag_rows)
         sums = [a + f for a, f in zip(sums, figures)]
