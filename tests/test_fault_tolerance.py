@@ -76,20 +76,33 @@ def _alive(pid: int) -> bool:
     return bool(fields) and fields[0] != "Z"
 
 
+def _cmdline(pid: int) -> bytes:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read()
+    except OSError:
+        return b""
+
+
 def _watch_run_processes(marker: str, run: "concurrent.futures.Future") -> tuple:
     """Polls the run's processes (``marker`` in their environment) until ``run`` is done: (the time the first
     rank died, the time no process of the run is alive), ``time.monotonic`` seconds; (None, time) if no rank
-    died first. The ranks are the launcher's children (the launcher is this process's child); helpers that end
-    on their own (a data worker, a short subprocess at start-up) are not a rank's death."""
+    died first. The ranks are the launcher's forks (the launcher is this process's child): its children with
+    its command line. Helpers that end on their own are not a rank's death: a rank's data worker is a
+    grandchild, and a short subprocess the launcher runs at start-up (Megatron-Core 0.19 runs ``git
+    rev-parse``) has its own command line."""
     parent: Dict[int, int] = {}
+    command: Dict[int, bytes] = {}
     first_death = None
     while True:
         for pid in _processes_with_marker(marker):
             if pid not in parent:
                 fields = _stat_fields(pid)
                 parent[pid] = int(fields[1]) if fields else -1
+            # re-read while alive: a subprocess caught between fork and exec still shows the launcher's; a zombie none
+            command[pid] = _cmdline(pid) or command.get(pid, b"")
         launchers = {pid for pid, ppid in parent.items() if ppid == os.getpid()}
-        ranks = {pid for pid, ppid in parent.items() if ppid in launchers}
+        ranks = {pid for pid, ppid in parent.items() if ppid in launchers and command[pid] == command[ppid]}
         now = time.monotonic()
         if first_death is None and any(not _alive(pid) for pid in ranks):
             first_death = now
