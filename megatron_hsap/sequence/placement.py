@@ -60,6 +60,7 @@ import numpy as np
 from megatron_hsap.sequence.cost_model import CostModel, causal_area
 from megatron_hsap.sequence.layouts import Segment, split_streams, table_segments
 from megatron_hsap.sequence.placement_config import PlacementConfig
+from megatron_hsap.sequence.whole_shares import share_whole
 
 __all__ = ["sequence_aware_placement", "sequence_aware_table"]
 
@@ -1282,10 +1283,10 @@ def _shared(items: _Items, caps: Sequence[int], targets: Sequence[float],
     up, a back item is cut instead: the bin takes its head, as many tokens as bring the area to the target. A bin
     ends above its cumulative target by less than one step of the window (or head) adds, which the next bin's
     target takes back (cumulative targets); every bin is checked against its own. A node of short items only (none
-    it may cut) is declined at once: its bins are filled exactly by the bisections' exchanges of whole items."""
+    it may cut) is shared by the counts of its documents of each length instead (``_shared_whole``)."""
     least_short = max(config.short * min((cap for cap in caps if cap), default=0), config.short_tokens)
     if len(items) and int(items.length.max()) <= least_short:
-        return None
+        return _shared_whole(items, caps, targets, config)
     stream = _Stream(items, len(caps))
     wanted = 0.0
     for b, cap in enumerate(caps[:-1]):
@@ -1297,6 +1298,21 @@ def _shared(items: _Items, caps: Sequence[int], targets: Sequence[float],
     out = stream.bins()
     within = all(abs(part.total_area() - t) <= _pairs_slack(config.slack, (t,)) for part, t in zip(out, targets))
     return out if within else None
+
+
+def _shared_whole(items: _Items, caps: Sequence[int], targets: Sequence[float],
+                  config: PlacementConfig) -> Optional[List[_Items]]:
+    """The short items of bins inside one node shared among them whole (``whole_shares.share_whole``: exact tokens,
+    every bin within ``config.slack`` of its target, as ``_shared``), or None where that finds no split, or some item
+    is a piece of a document cut above that is not its head (its area is not its length's): the caller bisects."""
+    if items.pieces and _among(items.doc, items.pieces).any():
+        return None
+    bins = share_whole(items.length, caps, targets, [_pairs_slack(config.slack, (t,)) for t in targets])
+    if bins is None:
+        return None
+    order = np.argsort(bins, kind="stable")
+    ends = np.cumsum(np.bincount(bins, minlength=len(caps))).tolist()
+    return [items.take(order[a:b]) for a, b in zip([0] + ends[:-1], ends)]
 
 
 def _split(items: Union[_Items, Sequence[_Item]], groups: list, caps: Sequence[int], targets: Sequence[float],
