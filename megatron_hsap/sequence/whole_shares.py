@@ -30,7 +30,7 @@ __all__ = ["share_whole"]
 
 #: Nodes with more distinct document lengths than this are left to the bisections: the exchanges weigh every pair
 #: of lengths (``lengths x lengths`` arrays), and so many lengths means few documents of each.
-MOST_LENGTHS = 512
+MOST_LENGTHS = 64
 
 
 def share_whole(lengths: np.ndarray, caps: Sequence[int], targets: Sequence[float],
@@ -108,7 +108,7 @@ def _exact_tokens(counts: np.ndarray, surplus: np.ndarray, over: np.ndarray, val
 
 
 def _balanced_areas(counts: np.ndarray, over: np.ndarray, values: np.ndarray, areas: np.ndarray,
-                    tolerance: np.ndarray, rounds: int = 64) -> bool:
+                    tolerance: np.ndarray, rounds: int = 32) -> bool:
     """Step 3: ``counts`` changed at fixed tokens, bringing the bins nearest their targets (``over``: area over them,
     kept up to date) while some move brings the two bins furthest off nearer. True where every bin ends within its
     tolerance.
