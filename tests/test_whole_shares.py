@@ -55,7 +55,8 @@ def test_every_bin_gets_its_tokens_exactly_and_its_area_within_the_tolerance(lon
         for b, (cap, target, tolerance) in enumerate(zip(caps, targets, tolerances)):
             mine = lengths[owner == b]
             assert int(mine.sum()) == cap, (longest, case, b)
-            assert abs(int(_areas(mine).sum()) - target) <= tolerance, (longest, case, b, int(_areas(mine).sum()), target)
+            area = int(_areas(mine).sum())
+            assert abs(area - target) <= tolerance, (longest, case, b, area, target)
 
 
 def test_declines_what_whole_documents_cannot_meet() -> None:

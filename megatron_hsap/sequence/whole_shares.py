@@ -13,11 +13,14 @@ over its items: docs/sequence_aware.md, "Nodes of short documents"):
 2. Tokens made exact: the bin with the most tokens over its capacity gives the one with the most under it a
    document, or swaps two of different lengths, moving as many tokens as both need if possible, of the moves that
    do, the one leaving both areas nearest their targets.
-3. Areas brought within the tolerances at fixed tokens: the bin most over its target gives the one most under it a
-   document of length ``l1 + l2`` for two of lengths ``l1`` and ``l2``, which moves ``l1 * l2`` pairs of area
-   (repeated as often as it helps); the pair of moves nearest the area that balances the two bins is taken.
+3. Areas balanced at fixed tokens: the bin furthest over its target and the one furthest under it exchange one
+   or two documents for one or two of as many tokens in all (lengths ``a + b = c + d``, a length 0 standing for
+   none: ``(a**2 + b**2 - c**2 - d**2) / 2`` pairs of area move; ``l`` for ``l1 + l2``: ``l1 * l2``), as many times
+   as brings them nearest even, while that brings the worse of the two nearer its target: past the tolerance, so a
+   node ends about as balanced as its documents allow (an equal area is rarely an integer).
 
-Where a step finds no move (few documents or few distinct lengths), there is no split: the caller bisects.
+Where a step finds no move (few documents or few distinct lengths), or a bin ends off its tolerance, there is no
+split: the caller bisects.
 """
 
 from __future__ import annotations
@@ -28,8 +31,9 @@ import numpy as np
 
 __all__ = ["share_whole"]
 
-#: Nodes with more distinct document lengths than this are left to the bisections: the exchanges weigh every pair
-#: of lengths (``lengths x lengths`` arrays), and so many lengths means few documents of each.
+#: Nodes with more distinct document lengths than this are left to the bisections: each exchange weighs every two
+#: lengths (arrays of ``lengths**2 / 2`` entries a round), and many lengths means few documents of each (the
+#: default ``short_tokens``, 64, bounds the lengths of a node of short documents but for members of over 3,200 tokens).
 MOST_LENGTHS = 64
 
 
@@ -37,7 +41,9 @@ def share_whole(lengths: np.ndarray, caps: Sequence[int], targets: Sequence[floa
                 tolerances: Sequence[float]) -> Optional[np.ndarray]:
     """The bin of each document, int64 ``[n]``, for whole documents of ``lengths`` (int64 ``[n]``, each >= 1;
     area ``l * (l + 1) / 2`` pairs): bin ``b`` gets exactly ``caps[b]`` tokens and an area within ``tolerances[b]``
-    (> 0) of ``targets[b]``. None where the exchanges find none, or the lengths do not add up to the capacities.
+    (> 0) of ``targets[b]``. None where the exchanges find none, the lengths do not add up to the capacities, or
+    there are more than ``MOST_LENGTHS`` distinct lengths or one of 2**16 tokens or more (the exchanges' keys exact
+    in float64 below it).
     Deterministic: the documents of one length go to the bins in bin order, by position in ``lengths``."""
     caps_all = np.asarray(caps, dtype=np.int64)
     if len(lengths) == 0 or int(lengths.sum()) != int(caps_all.sum()):
@@ -48,7 +54,7 @@ def share_whole(lengths: np.ndarray, caps: Sequence[int], targets: Sequence[floa
     tolerance = np.asarray(tolerances, dtype=np.float64)[bins]
     per_length = np.bincount(lengths)
     values = np.flatnonzero(per_length)  # the distinct lengths, increasing
-    if len(values) > MOST_LENGTHS:
+    if len(values) > MOST_LENGTHS or values[-1] >= 1 << 16:
         return None
     available = per_length[values]
     areas = values * (values + 1) // 2
@@ -61,10 +67,10 @@ def share_whole(lengths: np.ndarray, caps: Sequence[int], targets: Sequence[floa
     over = (counts @ areas).astype(np.float64) - target
     if not _exact_tokens(counts, -needed, over, values, areas, tolerance):
         return None
-    if not _balanced_areas(counts, over, values, areas, tolerance):
+    if not _balanced_areas(counts, over, values, tolerance):
         return None
     labels = np.repeat(np.tile(bins, len(values)), counts.T.ravel())  # by length, then bin
-    order = np.argsort(lengths.astype(np.uint16) if values[-1] < 1 << 16 else lengths, kind="stable")
+    order = np.argsort(lengths.astype(np.uint16), kind="stable")  # (a radix sort)
     out = np.empty(len(lengths), dtype=np.int64)
     out[order] = labels
     return out
@@ -107,23 +113,23 @@ def _exact_tokens(counts: np.ndarray, surplus: np.ndarray, over: np.ndarray, val
         over[taker] += moved_area[c, d]
 
 
-def _balanced_areas(counts: np.ndarray, over: np.ndarray, values: np.ndarray, areas: np.ndarray,
-                    tolerance: np.ndarray, rounds: int = 32) -> bool:
-    """Step 3: ``counts`` changed at fixed tokens, bringing the bins nearest their targets (``over``: area over them,
-    kept up to date) while some move brings the two bins furthest off nearer. True where every bin ends within its
-    tolerance.
+def _balanced_areas(counts: np.ndarray, over: np.ndarray, values: np.ndarray, tolerance: np.ndarray,
+                    rounds: int = 32) -> bool:
+    """Step 3: ``counts`` changed at fixed tokens, bringing the bins nearer their targets (``over``: area over them,
+    kept up to date) while some move brings the worse of the two bins furthest off nearer (at most ``rounds`` plus
+    one per bin). True where every bin ends within its tolerance.
 
-    A move: the bin over its target gives two documents (or one) for two (or one) of the bin under it of as many
-    tokens in all, ``t`` times over; documents of lengths ``a, b`` for ``c, d`` (``a + b = c + d``) move
-    ``(a**2 + b**2 - c**2 - d**2) / 2`` pairs of area. Each round weighs, for every pair the giver has, the pairs of
-    the taker of the same tokens whose area is nearest the wanted amount (once) and the furthest from the giver's
-    (as many times as nearest the wanted amount)."""
+    A move: the bin furthest over its target gives a pair (two documents, or one) for a pair of as many tokens of
+    the bin furthest under it, ``t`` times over; lengths ``a, b`` for ``c, d`` (``a + b = c + d``) move
+    ``(a**2 + b**2 - c**2 - d**2) / 2`` pairs of area. Each round weighs, for every pair the first bin holds, four
+    pairs of the second of as many tokens, each ``t`` times (``t`` nearest the wanted move, at least once): the
+    two whose area moved is nearest the wanted move (either side of it), and those of the least and the most area."""
     # Pairs (i, j), i <= j, of the lengths and none (index 0: no document, always available), by tokens then area.
     lengths_or_none = np.concatenate([[0], values])
     first, second = np.triu_indices(len(lengths_or_none))
     first, second = first[1:], second[1:]  # not (none, none)
-    tokens = lengths_or_none[first] + lengths_or_none[second]
-    area = (lengths_or_none[first] * (lengths_or_none[first] + 1) + lengths_or_none[second] * (lengths_or_none[second] + 1)) // 2
+    a, b = lengths_or_none[first], lengths_or_none[second]
+    tokens, area = a + b, (a * (a + 1) + b * (b + 1)) // 2
     scale = int(area.max()) + 1
     order = np.lexsort((area, tokens))
     first, second, tokens, area = first[order], second[order], tokens[order], area[order]
