@@ -4,8 +4,9 @@ Inside a ring member (one Ulysses group) the all-to-all gathers all of the membe
 tokens for each head group, so only a member's total cost matters; between members
 (and above all between nodes) every split document costs key/value traffic. The
 placement is a recursive bisection over the hierarchy -- halves of the nodes, down to
-single nodes, then each node's items shared among its members in one pass (``_shared``; where
-that misses a member's target, halves of the node's members, down to single members) --
+single nodes, then each node's items shared among its members in one pass (``_shared``; a node of
+short documents only by counts of documents per length, ``whole_shares``; where that misses a member's target,
+halves of the node's members, down to single members) --
 followed by cutting each member's token stream into equal contiguous parts for its Ulysses
 ranks. docs/sequence_aware.md has the full argument; in short, one bisection:
 

@@ -37,7 +37,8 @@ class PlacementConfig:
     this fraction of the smaller side's tokens, or of at most this many tokens, is never cut (the light phase fills
     rooms exactly by choosing and exchanging items; such a cut would buy nearly no balance); inside a node, the
     pass sharing the node's items among its members never cuts an item of at most this fraction of a member's
-    tokens (or this many tokens), leaving such a node to the bisections. tiny: the shortest
+    tokens (or this many tokens): a node of such items only is shared whole, by counts of documents per length
+    (``whole_shares``), and bisected where that misses a member's target. tiny: the shortest
     items holding this fraction of a bisection's tokens are shared in proportion to the rooms. exchange: items
     considered (shortest first) when exchanging a few to close a token gap. slack: a side may miss its target by
     this fraction in ``"tight"`` mode and inside nodes (the rest of the hierarchy adds its own error), and at least
