@@ -72,6 +72,31 @@ def test_declines_what_whole_documents_cannot_meet() -> None:
     assert share_whole(many, [total // 2, total - total // 2], [area / 2] * 2, [area] * 2) is None
 
 
+def test_targets_out_of_reach_of_whole_documents_are_declined_before_any_exchange() -> None:
+    """A bin of half the tokens with an equal share of the area needs denser documents than a node of 1-8 tokens
+    has (at most 4.5 pairs a token, the mean 3.3): ``_reachable`` says so from the counts alone (the fractional
+    bounds: the shortest / longest documents filling the cap), and ``share_whole`` declines; a sparser share for
+    it is within reach, and equal bins are."""
+    from megatron_hsap.sequence import whole_shares
+
+    lengths = np.array([1 + k % 8 for k in range(3000)], dtype=np.int64)
+    total, area = int(lengths.sum()), float(_areas(lengths).sum())
+    values, available = np.unique(lengths, return_counts=True)
+    caps = np.array([total - total // 3, total // 3], dtype=np.int64)  # the second bin: half the first's tokens
+
+    def reachable(targets: Sequence[float]) -> bool:
+        return whole_shares._reachable(caps, np.array(targets), np.array(_tolerances(targets)), values, available,
+                                       _areas(values))
+
+    assert not reachable([area / 2, area / 2])
+    assert share_whole(lengths, caps.tolist(), [area / 2, area / 2], _tolerances([area / 2, area / 2])) is None
+    assert reachable([area * 2 / 3, area / 3]) and reachable([area * 0.6, area * 0.4])
+    assert not reachable([area * 0.2, area * 0.8])  # (the first bin's least: its tokens of the shortest documents)
+    halves = [total // 2, total - total // 2]
+    assert whole_shares._reachable(np.array(halves), np.array([area / 2] * 2), np.array(_tolerances([area / 2] * 2)),
+                                   values, available, _areas(values))
+
+
 def test_a_node_holding_a_piece_cut_above_is_left_to_the_bisections() -> None:
     """``_shared_whole`` reads an item's area from its length, true of a document's head only: a node holding a
     later piece of a document cut between nodes (tokens 1-2: 5 pairs, not 3, within what the exchanges could hide)

@@ -8,8 +8,9 @@ Its size is the bins times the distinct lengths, whatever the number of document
 documents is split with a few dozen small numpy operations instead of a bisection per member (each a Python pass
 over its items: docs/sequence_aware.md, "Nodes of short documents"):
 
-1. Every bin takes its proportional share of each length (floors); the remainders, longest first, go one each to
-   the bins short of the most tokens.
+1. A bin whose target lies beyond the most (or below the least) area its tokens can carry -- its cap filled with
+   the longest (shortest) documents -- is out of reach: declined at once. Else every bin takes its proportional
+   share of each length (floors); the remainders, longest first, go one each to the bins short of the most tokens.
 2. Tokens made exact: the bin with the most tokens over its capacity gives the one with the most under it a
    document, or swaps two of different lengths, moving as many tokens as both need if possible, of the moves that
    do, the one leaving both areas nearest their targets.
@@ -58,6 +59,8 @@ def share_whole(lengths: np.ndarray, caps: Sequence[int], targets: Sequence[floa
         return None
     available = per_length[values]
     areas = values * (values + 1) // 2
+    if not _reachable(cap, target, tolerance, values, available, areas):
+        return None
     counts = available[None, :] * cap[:, None] // int(cap.sum())
     needed = cap - counts @ values
     for c in np.flatnonzero(available > counts.sum(axis=0))[::-1].tolist():
@@ -74,6 +77,19 @@ def share_whole(lengths: np.ndarray, caps: Sequence[int], targets: Sequence[floa
     out = np.empty(len(lengths), dtype=np.int64)
     out[order] = labels
     return out
+
+
+def _reachable(cap: np.ndarray, target: np.ndarray, tolerance: np.ndarray, values: np.ndarray,
+               available: np.ndarray, areas: np.ndarray) -> bool:
+    """Whether every bin's target lies within its tolerance of the least and the most area its cap of tokens can
+    carry: the shortest or the longest documents, the last one counted in part (bounds for whole documents). Where
+    not (a bin holding tail padding, whose share of the attention only documents longer than these reach), no
+    exchange gets there: declined at once."""
+    tokens = np.concatenate([[0], np.cumsum(values * available)])  # longest last
+    area = np.concatenate([[0], np.cumsum(areas * available)]).astype(np.float64)
+    least = np.interp(cap, tokens, area)  # (linear between the documents of one length: their area per token)
+    most = area[-1] - np.interp(tokens[-1] - cap, tokens, area)
+    return bool(np.all((least - tolerance <= target) & (target <= most + tolerance)))
 
 
 def _worse(over_a: np.ndarray, tolerance_a: float, over_b: np.ndarray, tolerance_b: float) -> np.ndarray:
