@@ -233,7 +233,7 @@ def _among(values: np.ndarray, keys: Collection[int]) -> np.ndarray:
             mask |= values == key
         return mask
     if len(values) <= 256:
-        keys = set(keys)
+        keys = keys if isinstance(keys, (dict, set, frozenset)) else set(keys)  # (a dict's keys are a set already)
         return np.fromiter((v in keys for v in values.tolist()), bool, len(values))
     return np.isin(values, list(keys))
 
@@ -823,10 +823,23 @@ def _exchange(inside: List[int], outside: List[int], lengths: Dict[int, int], ta
               gap: int) -> int:
     """Swap the shortest few items so that ``taken`` gains exactly ``gap`` tokens: u - t, u1 + u2 - t or
     u - t1 - t2 = gap (u: items not taken, t: taken; ``inside`` / ``outside``: the shortest taken / untaken items
-    in (length, index) order; ``lengths``: theirs). Returns the gap left (0 on success)."""
-    by_length: dict = {}
-    for m in inside:
-        by_length.setdefault(lengths[m], []).append(m)
+    in (length, index) order; ``lengths``: theirs). Returns the gap left (0 on success).
+
+    The first solution in the order of the loops ``for u (for u2 after u1) (for t1 in inside)`` with ``t`` (``t2``)
+    the first taken item of the length wanted, found with all pairs at once: each form's wanted lengths as an array,
+    looked up in the taken items' sorted lengths."""
+    if not inside or not outside:
+        return gap
+    ins = np.array([lengths[m] for m in inside], dtype=np.int64)
+    order = np.argsort(ins, kind="stable")  # taken items by length, then their order in `inside`
+    values = ins[order]
+    need = np.array([lengths[u] for u in outside], dtype=np.int64) - gap  # what the taken items given back hold
+
+    def found(wanted: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
+        """Per wanted length, the position of the first taken item of that length in ``values``, and whether
+        there is one."""
+        at = np.searchsorted(values, wanted)
+        return at, values[np.minimum(at, len(values) - 1)] == wanted
 
     def swap(ins: Sequence[int], outs: Sequence[int]) -> int:
         for m in ins:
@@ -835,22 +848,23 @@ def _exchange(inside: List[int], outside: List[int], lengths: Dict[int, int], ta
             taken[m] = False
         return 0
 
-    out_lengths = [lengths[u] - gap for u in outside]  # what the taken items given back must hold
-    for u, need in zip(outside, out_lengths):
-        t = by_length.get(need)
-        if t:
-            return swap([u], [t[0]])
-    for x, u1 in enumerate(outside):
-        need = out_lengths[x]
-        for y in range(x + 1, len(outside)):
-            t = by_length.get(need + lengths[outside[y]])
-            if t:
-                return swap([u1, outside[y]], [t[0]])
-    for u, need in zip(outside, out_lengths):
-        for t1 in inside:
-            t = by_length.get(need - lengths[t1])
-            if t and (t[0] != t1 or len(t) > 1):
-                return swap([u], [t1, t[0] if t[0] != t1 else t[1]])
+    at, hit = found(need)  # u - t = gap
+    if hit.any():
+        x = int(hit.argmax())
+        return swap([outside[x]], [inside[order[at[x]]]])
+    n = len(outside)
+    at, hit = found(need[:, None] + (need + gap)[None, :])  # u1 + u2 - t = gap, u2 after u1
+    hit &= np.arange(n)[None, :] > np.arange(n)[:, None]
+    if hit.any():
+        x, y = divmod(int(hit.argmax()), n)
+        return swap([outside[x], outside[y]], [inside[order[at[x, y]]]])
+    at, hit = found(need[:, None] - ins[None, :])  # u - t1 - t2 = gap, t2 not t1 itself
+    twin = values[np.minimum(at + 1, len(values) - 1)] == values[np.minimum(at, len(values) - 1)]
+    hit &= (order[np.minimum(at, len(values) - 1)] != np.arange(len(inside))[None, :]) | (twin & (at + 1 < len(values)))
+    if hit.any():
+        x, a = divmod(int(hit.argmax()), len(inside))
+        t = order[at[x, a]] if order[at[x, a]] != a else order[at[x, a] + 1]
+        return swap([outside[x]], [inside[a], inside[t]])
     return gap
 
 
@@ -1583,13 +1597,17 @@ def sequence_aware_table(doc_lengths: Sequence[int], *, ring_size: int, ulysses_
     order = np.concatenate(orders)
     member, doc, start, end = member[order], doc[order], np.zeros(len(doc), dtype=np.int64), length[order]
     if ranges:  # a row per range
-        at = np.flatnonzero(np.isin(order, list(ranges)))
+        ranged = np.zeros(len(doc), dtype=bool)
+        ranged[list(ranges)] = True
+        at = np.flatnonzero(ranged[order])
         cut = [ranges[k] for k in order[at].tolist()]
         count = np.ones(len(doc), dtype=np.int64)
-        count[at] = [len(r) for r in cut]
+        count[at] = per_item = [len(r) for r in cut]
         first_row = np.cumsum(count) - count
         member, doc, start, end = (np.repeat(a, count) for a in (member, doc, start, end))
-        rows = np.concatenate([np.arange(f, f + len(r)) for f, r in zip(first_row[at].tolist(), cut)])
+        # The rows of the cut items' ranges: each item's first row, then the next ones.
+        within = np.arange(sum(per_item)) - np.repeat(np.cumsum(per_item) - per_item, per_item)
+        rows = np.repeat(first_row[at], per_item) + within
         start[rows], end[rows] = np.array([r for rs in cut for r in rs], dtype=np.int64).T
     return split_streams(member, doc, start, end, ulysses_size, tokens_per_rank)
 
