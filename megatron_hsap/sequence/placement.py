@@ -140,7 +140,11 @@ class _Item:
 
 def _areas_before(items: Sequence[_Item], which: np.ndarray, taus: np.ndarray) -> np.ndarray:
     """``items[which[i]].area_before(taus[i])`` for every i at once (float64: exact below 2**53): the items'
-    ranges in one table keyed by (item, stream offset), one search for all queries."""
+    ranges in one table keyed by (item, stream offset), one search for all queries; items of one range each (the
+    usual case) without the search, by the same formula."""
+    if all(it._offsets is None for it in items):
+        a = np.array([it.ranges[0][0] for it in items], dtype=np.float64)[which]
+        return taus * (a + (a + taus) + 1) / 2  # (b - a) * (a + b + 1) / 2 with b = a + taus, as below
     owner, offsets, starts, prefix = [], [], [], []
     for k, it in enumerate(items):
         offset, area = 0, 0
@@ -198,22 +202,31 @@ class _Items:
     def take(self, index: np.ndarray) -> "_Items":
         return _Items(self.doc[index], self.length[index], self.area[index], self.pieces)
 
+    def ranged(self) -> List[Tuple[int, int, Ranges]]:
+        """(position, document, ranges) of the items that are not their document's first ``length`` tokens, by
+        position."""
+        pieces = self.pieces
+        if not pieces:
+            return []
+        if len(self.doc) <= _LISTED:  # (few items: one dict lookup each, no numpy calls)
+            return [(k, d, pieces[d]) for k, d in enumerate(self.doc.tolist()) if d in pieces]
+        at = np.flatnonzero(_among(self.doc, pieces))
+        return [(k, d, pieces[d]) for k, d in zip(at.tolist(), self.doc[at].tolist())]
+
     def ends(self) -> np.ndarray:
         """In-document position after each item's last token."""
         ends = self.length.copy()
-        if self.pieces:
-            for k in np.flatnonzero(_among(self.doc, self.pieces)).tolist():
-                ends[k] = self.pieces[int(self.doc[k])][-1][1]
+        for k, _, ranges in self.ranged():
+            ends[k] = ranges[-1][1]
         return ends
 
     def by_density(self) -> "_Items":
         """Sorted by decreasing density (area per token, on an integer scale: deterministic), then document."""
         key = -((self.length + 1) << 19)  # -area * 2**20 // length, exactly, for a document's first tokens
         pieces = {}
-        if self.pieces:  # (only the pieces present are kept)
-            for k in np.flatnonzero(_among(self.doc, self.pieces)).tolist():
-                key[k] = -int(self.area[k]) * (1 << 20) // int(self.length[k])
-                pieces[int(self.doc[k])] = self.pieces[int(self.doc[k])]
+        for k, d, ranges in self.ranged():  # (only the pieces present are kept)
+            key[k] = -int(self.area[k]) * (1 << 20) // int(self.length[k])
+            pieces[d] = ranges
         # Groups come mostly sorted already (a side receives its items in its parent's order): a stable sort by
         # density is the (density, document) order unless it leaves equal densities out of document order.
         order = key.argsort(kind="stable")
@@ -790,23 +803,29 @@ def _close_gap(lengths: Union[np.ndarray, List[int]], taken: Union[np.ndarray, L
         fits = [m for m in range(i, len(taken)) if not taken[m] and lengths[m] <= gap]
         fits.sort(key=lambda m: -lengths[m])  # stable: ties by index
         values = [lengths[m] for m in fits]
-        starts = [a for a in range(len(fits)) if a == 0 or values[a] != values[a - 1]] + [len(fits)]
+        starts = [a for a in range(len(fits)) if a == 0 or values[a] != values[a - 1]]
+        keys = [-values[a] for a in starts]
     else:
         fits = np.flatnonzero(~taken[i:] & (lengths[i:] <= gap)) + i
         fits = fits[np.argsort(-lengths[fits], kind="stable")]
         values = lengths[fits]
-        starts = np.flatnonzero(np.diff(values, prepend=-1)).tolist() + [len(fits)]
-    for a, b in zip(starts[:-1], starts[1:]):
-        value = int(values[a])
-        count = min(b - a, gap // value)
-        if isinstance(taken, list):
-            for m in fits[a:a + count]:
-                taken[m] = True
-        else:
-            taken[fits[a:a + count]] = True
-        gap -= count * value
-        if gap == 0:
-            break
+        at = np.flatnonzero(np.diff(values, prepend=-1))
+        starts, keys = at.tolist(), (-values[at]).tolist()
+    starts.append(len(fits))
+    # Group by group of equal lengths, longest first; the groups longer than the gap left take none of theirs and are
+    # skipped (``keys``: minus each group's length, increasing).
+    chosen = []
+    g = bisect.bisect_left(keys, -gap)
+    while g < len(keys) and gap:
+        count = min(starts[g + 1] - starts[g], gap // -keys[g])
+        chosen.append(fits[starts[g]:starts[g] + count])
+        gap += count * keys[g]
+        g = bisect.bisect_left(keys, -gap, g + 1)
+    if isinstance(taken, list):
+        for m in chain.from_iterable(chosen):
+            taken[m] = True
+    elif chosen:
+        taken[np.concatenate(chosen)] = True
     return gap
 
 
@@ -1040,9 +1059,15 @@ def _cut_rows(sides: Sequence[Union[_Items, Sequence[_Item]]], docs: Optional[Se
     """Rows a bisection moves (``_node_rows`` of its two sides), counting only the documents ``docs`` where
     given."""
     sides = [_as_items(side) for side in sides]
-    if docs is not None:
-        sides = [side.take(np.flatnonzero(_among(side.doc, docs))) for side in sides]
-    return _node_rows(sides)
+    if docs is None:
+        return _node_rows(sides)
+    ends: Dict[int, List[int]] = {}  # (few documents: their items' ends gathered one by one)
+    for side in sides:
+        at = np.flatnonzero(_among(side.doc, docs))
+        for k, d in zip(at.tolist(), side.doc[at].tolist()):
+            ranges = side.pieces.get(d)
+            ends.setdefault(d, []).append(int(side.length[k]) if ranges is None else ranges[-1][1])
+    return sum(sum(e) - max(e) for e in ends.values())
 
 
 def _reopened(items: _Items, sides: List[_Items], cut: List[int], rooms: Tuple[int, int],
@@ -1088,13 +1113,14 @@ def _reopenings(items: _Items, sides: List[_Items], cut: Sequence[int], rooms: T
     # Per side, its other uncut items by increasing length (ties in the side's order): the first `wanted` can move.
     shortest = []
     for s, (side, u) in enumerate(zip(sides, uncut)):
-        u = np.setdiff1d(u, [k for t, k in chosen if t == s], assume_unique=True)
+        u = u[~_among(u, [k for t, k in chosen if t == s])]
         shortest.append(u[_shortest(side.length[u], wanted)].tolist())
     alternate = [(s, k) for pair in zip_longest(*shortest) for s, k in zip((0, 1), pair) if k is not None][:wanted]
     free = [items.item(k) for k in np.flatnonzero(_among(items.doc, cut)).tolist()]
     free += [sides[s].item(k) for s, k in chosen + alternate]
     moved = np.array(sorted(it.doc for it in free), dtype=np.int64)
-    fixed = [side.take(np.flatnonzero(~_among(side.doc, moved))) for side in sides]
+    moved_docs = set(moved.tolist())
+    fixed = [side.take(np.flatnonzero(~_among(side.doc, moved_docs))) for side in sides]
     found = _exhaustive_bisections(free, tuple(r - int(f.length.sum()) for r, f in zip(rooms, fixed)),
                                    tuple(t - f.total_area() for t, f in zip(targets, fixed)), slack,
                                    config.visits * count, cap, count, [it.doc for it in free if it.area > slack])
@@ -1103,7 +1129,7 @@ def _reopenings(items: _Items, sides: List[_Items], cut: Sequence[int], rooms: T
         joined.append([])
         for f, side in zip(fixed, split):
             side = _Items.of(side)
-            joined[-1].append(_concat([f, side], {**{d: r for d, r in f.pieces.items() if d not in moved},
+            joined[-1].append(_concat([f, side], {**{d: r for d, r in f.pieces.items() if d not in moved_docs},
                                                   **side.pieces}))
     return joined, moved
 
@@ -1134,9 +1160,7 @@ class _Stream:
         n = len(self.items)
         self.lengths, self.tok, self.pre = self.items.length.tolist(), [0] * (n + 1), [0] * (n + 1)
         self.tok[1:], self.pre[1:] = np.cumsum(self.items.length).tolist(), np.cumsum(self.items.area).tolist()
-        pieces = self.items.pieces
-        self.ranged = {k: self.items.item(k) for k in np.flatnonzero(_among(self.items.doc, pieces)).tolist()
-                       } if pieces else {}
+        self.ranged = {k: _Item(d, ranges) for k, d, ranges in self.items.ranged()}
         self.i, self.r, self.rest = 0, n, {}
         self.owner = np.full(n, -1, dtype=np.int64)
         self.pieces: List[List[_Item]] = [[] for _ in range(bins)]
@@ -1576,7 +1600,7 @@ def sequence_aware_table(doc_lengths: Sequence[int], *, ring_size: int, ulysses_
     best, memo = None, {}
     for slack in _node_slacks(config, len(nodes), min(ring_members_per_node, ring_size)):
         members = _split(docs, nodes, caps, targets, config, slack, memo)
-        worst = max((items.total_area() / t for items, t in zip(members, targets) if t > 0), default=1.0)
+        worst = max((area / t for area, t in zip(_total_areas(members), targets) if t > 0), default=1.0)
         if best is None or worst < best[0]:
             best = (worst, members)
         if worst <= config.attention_target:
@@ -1589,12 +1613,13 @@ def sequence_aware_table(doc_lengths: Sequence[int], *, ring_size: int, ulysses_
     ranges = {}  # row in `doc` -> ranges of an item cut above
     orders, first = [], 0
     for items in members:
-        orders.append(np.argsort(items.doc) + first)  # (per member: one sort of many small ones is slower)
-        if items.pieces:
-            for k in np.flatnonzero(_among(items.doc, items.pieces)).tolist():
-                ranges[first + k] = items.pieces[int(items.doc[k])]
+        if len(doc) > _ONE_SORT:
+            orders.append(np.argsort(items.doc) + first)
+        for k, _, item_ranges in items.ranged():
+            ranges[first + k] = item_ranges
         first += len(items)
-    order = np.concatenate(orders)
+    # By member, then document: one sort of (member, document) keys for few items, else one sort per member.
+    order = np.concatenate(orders) if orders else np.argsort(member * len(lengths) + doc, kind="stable")
     member, doc, start, end = member[order], doc[order], np.zeros(len(doc), dtype=np.int64), length[order]
     if ranges:  # a row per range
         ranged = np.zeros(len(doc), dtype=bool)
@@ -1610,6 +1635,22 @@ def sequence_aware_table(doc_lengths: Sequence[int], *, ring_size: int, ulysses_
         rows = np.repeat(first_row[at], per_item) + within
         start[rows], end[rows] = np.array([r for rs in cut for r in rs], dtype=np.int64).T
     return split_streams(member, doc, start, end, ulysses_size, tokens_per_rank)
+
+
+#: Items of all members at most this many are put in stream order with one sort (``sequence_aware_table``), more with
+#: one sort per member (one sort of many keys is slower than many small ones, of few keys much faster): a speed
+#: threshold, the order is the same.
+_ONE_SORT = 8192
+
+
+def _total_areas(groups: Sequence[_Items]) -> List[int]:
+    """``[g.total_area() for g in groups]`` from one cumulative sum (exact: int64), without a numpy call per group."""
+    sizes = np.array([len(g) for g in groups], dtype=np.int64)
+    prefix = np.zeros(int(sizes.sum()) + 1, dtype=np.int64)
+    if len(prefix) > 1:
+        np.cumsum(np.concatenate([g.area for g in groups]), out=prefix[1:])
+    ends = np.cumsum(sizes)
+    return (prefix[ends] - prefix[ends - sizes]).tolist()
 
 
 def _checked_lengths(doc_lengths: Sequence[int]) -> np.ndarray:
