@@ -93,8 +93,15 @@ class _Item:
     @classmethod
     def whole(cls, doc: int, length: int) -> "_Item":
         """Document ``doc`` whole (``length > 0``), as ``_Item(doc, ((0, length),))``, without the general path."""
+        return cls.one(doc, 0, length)
+
+    @classmethod
+    def one(cls, doc: int, start: int, end: int) -> "_Item":
+        """Tokens ``[start, end)`` of document ``doc`` (``end > start``), as ``_Item(doc, ((start, end),))``, without
+        the general path (the pieces cut inside a node are many)."""
         it = cls.__new__(cls)
-        it.doc, it.ranges, it.length, it.area, it._offsets = doc, ((0, length),), length, length * (length + 1) // 2, None
+        it.doc, it.ranges, it.length, it._offsets = doc, ((start, end),), end - start, None
+        it.area = (end - start) * (start + end + 1) // 2  # causal_area(start, end)
         return it
 
     @property
@@ -104,15 +111,19 @@ class _Item:
 
     def area_before(self, offset: int) -> int:
         """Causal area of the first ``offset`` tokens of the stream."""
+        # causal_area(s, s + t) for t >= 0 written out: t * (2 * s + t + 1) // 2 (a planning step's innermost call)
+        if offset <= 0:
+            return 0
+        if offset > self.length:
+            offset = self.length
         if self._offsets is None:
             s = self.ranges[0][0]
-            return causal_area(s, s + min(max(offset, 0), self.length))
-        offset = min(max(offset, 0), self.length)
+            return offset * (2 * s + offset + 1) // 2
         j = bisect.bisect_right(self._offsets, offset) - 1
         if j >= len(self.ranges):
             return self.area
-        s = self.ranges[j][0]
-        return self._areas[j] + causal_area(s, s + offset - self._offsets[j])
+        s, t = self.ranges[j][0], offset - self._offsets[j]
+        return self._areas[j] + t * (2 * s + t + 1) // 2
 
     def end_position(self, offset: int) -> int:
         """In-document position after the stream's first ``offset`` tokens (a piece ending there moves that many
@@ -125,10 +136,18 @@ class _Item:
 
     def outside(self, lo: int, hi: int) -> Ranges:
         """The ranges of the stream outside offsets ``[lo, hi)``: its head and tail, one item (one per document)."""
+        if self._offsets is None:  # one range: written out
+            s, e = self.ranges[0]
+            head, tail = min(lo, e - s), max(hi, 0)
+            return ((((s, s + head),) if head > 0 else ()) + (((s + tail, e),) if tail < e - s else ()))
         return self.sub(0, lo).ranges + self.sub(hi, self.length).ranges
 
     def sub(self, lo: int, hi: int) -> "_Item":
         """The item made of stream offsets ``[lo, hi)``."""
+        if self._offsets is None:  # one range: written out
+            s, e = self.ranges[0]
+            a, b = s + max(lo, 0), s + min(hi, e - s)
+            return _Item.one(self.doc, a, b) if b > a else _Item(self.doc, ())
         out, pos = [], 0
         for s, e in self.ranges:
             a, b = max(lo, pos), min(hi, pos + e - s)
@@ -208,7 +227,7 @@ class _Items:
         pieces = self.pieces
         if not pieces:
             return []
-        if len(self.doc) <= _LISTED:  # (few items: one dict lookup each, no numpy calls)
+        if len(self.doc) <= _SCANNED:  # (one dict lookup each, no numpy calls)
             return [(k, d, pieces[d]) for k, d in enumerate(self.doc.tolist()) if d in pieces]
         at = np.flatnonzero(_among(self.doc, pieces))
         return [(k, d, pieces[d]) for k, d in zip(at.tolist(), self.doc[at].tolist())]
@@ -237,6 +256,11 @@ class _Items:
         return _Items(doc, self.length[order], self.area[order], pieces)
 
 
+#: Arrays of at most this many values are scanned with one Python loop (``_among``, ``_Items.ranged``): numpy's
+#: setup costs more there. A speed threshold, the results are the same.
+_SCANNED = 256
+
+
 def _among(values: np.ndarray, keys: Collection[int]) -> np.ndarray:
     """``np.isin(values, keys)`` (bool, like ``values``), cheaply for few keys or values: a short batch's
     bisections are many and small, where np.isin's setup would cost more than the rest of the bisection."""
@@ -245,7 +269,7 @@ def _among(values: np.ndarray, keys: Collection[int]) -> np.ndarray:
         for key in keys:
             mask |= values == key
         return mask
-    if len(values) <= 256:
+    if len(values) <= _SCANNED:
         keys = keys if isinstance(keys, (dict, set, frozenset)) else set(keys)  # (a dict's keys are a set already)
         return np.fromiter((v in keys for v in values.tolist()), bool, len(values))
     return np.isin(values, list(keys))
@@ -1289,18 +1313,22 @@ class _Stream:
         return True
 
     def bins(self) -> List[_Items]:
-        """What each bin received."""
-        n, counts = len(self.owner), np.bincount(self.owner + 1, minlength=len(self.pieces) + 1)[1:]
-        index = np.argsort(self.owner, kind="stable")[n - int(counts.sum()):]
-        out, at = [], 0
-        for count, extra in zip(counts.tolist(), self.pieces):
-            part = self.items.take(index[at:at + count])
-            at += count
-            if extra:
-                part = _Items(*(np.concatenate([getattr(part, f), [getattr(p, f) for p in extra]])
-                                for f in ("doc", "length", "area")),
-                              {**self.items.pieces, **{p.doc: p.ranges for p in extra}})
-            out.append(part)
+        """What each bin received: its items given whole (in density order), then its pieces; the columns of all
+        bins made at once, each bin's a slice of them."""
+        sizes = [len(pieces) for pieces in self.pieces]
+        whole = np.bincount(self.owner + 1, minlength=len(sizes) + 1)[1:]
+        index = np.argsort(self.owner, kind="stable")[len(self.owner) - int(whole.sum()):]
+        extra = [p for pieces in self.pieces for p in pieces]
+        of_bin = np.concatenate([self.owner[index], np.repeat(np.arange(len(sizes)), sizes)])
+        order = np.argsort(of_bin, kind="stable")  # per bin, its whole items first
+        doc, length, area = (np.concatenate([getattr(self.items, f)[index],
+                                             np.array([getattr(p, f) for p in extra], dtype=np.int64)])[order]
+                             for f in ("doc", "length", "area"))
+        ends = np.cumsum(whole + sizes).tolist()
+        out = []
+        for lo, hi, pieces in zip([0] + ends[:-1], ends, self.pieces):
+            ranges = {**self.items.pieces, **{p.doc: p.ranges for p in pieces}} if pieces else self.items.pieces
+            out.append(_Items(doc[lo:hi], length[lo:hi], area[lo:hi], ranges))
         return out
 
 
@@ -1333,7 +1361,7 @@ def _shared(items: _Items, caps: Sequence[int], targets: Sequence[float],
             return None
     stream.take(len(caps) - 1, stream.i, stream.r)
     out = stream.bins()
-    within = all(abs(part.total_area() - t) <= _pairs_slack(config.slack, (t,)) for part, t in zip(out, targets))
+    within = all(abs(area - t) <= _pairs_slack(config.slack, (t,)) for area, t in zip(_total_areas(out), targets))
     return out if within else None
 
 
