@@ -272,7 +272,8 @@ def _among(values: np.ndarray, keys: Collection[int]) -> np.ndarray:
     if len(values) <= _SCANNED:
         keys = keys if isinstance(keys, (dict, set, frozenset)) else set(keys)  # (a dict's keys are a set already)
         return np.fromiter((v in keys for v in values.tolist()), bool, len(values))
-    return np.isin(values, list(keys))
+    ordered = np.sort(np.fromiter(keys, np.int64, len(keys)))  # (a search in the sorted keys: less setup than np.isin)
+    return ordered[np.minimum(np.searchsorted(ordered, values), len(ordered) - 1)] == values
 
 
 def _as_items(items: Union[_Items, Sequence[_Item]]) -> _Items:
@@ -576,7 +577,10 @@ class _Bisection:
         if lo > hi:
             return None
         missing, slack = self.missing[holder], self.slack
-        least, most, area_before = pool.least, pool.most, item.area_before
+        area_before, upto = item.area_before, pool._area_upto
+        # pool.least(i, r) and pool.most(i, r) written out below (one call each instead of two)
+        last_tokens, last_area = pool.tokens[-1], pool.areas[-1]
+        first_tokens, first_area = pool.tokens[i], pool.areas[i]
         start = item.ranges[0][0] if len(item.ranges) == 1 else None  # one piece: its heads without the method
         best, seen = None, set()
         limit = hi + 1 if beat is None else beat  # the horizon is at least tau: no better cut from tau = limit on
@@ -589,10 +593,10 @@ class _Bisection:
                 if tau in seen:
                     continue
                 seen.add(tau)
-                head = area_before(tau) if start is None else causal_area(start, start + tau)
-                if head > missing - least(i, room - tau) + slack:
+                head = area_before(tau) if start is None else tau * (2 * start + tau + 1) // 2
+                if head > missing - (last_area - upto(last_tokens - room + tau)) + slack:
                     continue
-                need = missing - most(i, room - tau)
+                need = missing - (upto(first_tokens + room - tau) - first_area)
                 x = tau if need <= head else _horizon_for(item, tau, need, head)
                 if x is not None and (best is None or (x, tau) < best):
                     best, limit = (x, tau), min(limit, x)
@@ -964,9 +968,11 @@ def _exhaustive_bisections(items: List[_Item], rooms: Tuple[int, int], targets: 
         return [[[it for it, b in zip(items, chosen) if b == side] for side in (1, 0)]]
     room = rooms[0] - tokens
     lengths = tokens[1 << np.arange(n)]  # the one-item subsets
-    # (item, subset) pairs where the item, not in the subset, would fill the room by a cut: one 2-D test,
-    # grouped by item (each item's subsets increasing).
-    cuts, pairs = np.nonzero((outside & (room[:, None] > 0) & (room[:, None] < lengths)).T)
+    # (item, subset) pairs where the item, not in the subset, would fill the room by a cut: one 2-D test over the
+    # subsets some item could complete, grouped by item (each item's subsets increasing).
+    near = np.flatnonzero((room > 0) & (room < lengths.max(initial=0)))
+    cuts, pairs = np.nonzero((outside[near] & (room[near, None] < lengths)).T)
+    pairs = near[pairs]
     if not len(cuts):
         return []
     cut_length, cut_area = lengths[cuts], areas[1 << cuts]
@@ -1003,9 +1009,10 @@ def _exhaustive_bisections(items: List[_Item], rooms: Tuple[int, int], targets: 
                 cost = it.end_position(x)
                 if best is None or cost < best[0]:
                     best = (cost, m, c, holder, x - length, x)
-                kind = (c,) + tuple(bool(masks[m, j]) for j in marks)
-                if count > 1 and (kind not in kinds or cost < kinds[kind][0]):
-                    kinds[kind] = (cost, m, c, holder, x - length, x)
+                if count > 1:
+                    kind = (c,) + tuple(bool(masks[m, j]) for j in marks)
+                    if kind not in kinds or cost < kinds[kind][0]:
+                        kinds[kind] = (cost, m, c, holder, x - length, x)
     if best is None:
         return []
     chosen = [best] if count == 1 else sorted(kinds.values(), key=lambda v: v[0])[:count]
