@@ -53,7 +53,7 @@ import math
 from collections import Counter
 from itertools import chain, zip_longest
 from operator import attrgetter
-from typing import Collection, Dict, Iterator, List, Optional, Sequence, Tuple, Union
+from typing import Callable, Collection, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
@@ -155,6 +155,11 @@ class _Item:
                 out.append((s + a - pos, s + b - pos))
             pos += e - s
         return _Item(self.doc, tuple(out))
+
+
+def _first_tokens_area(tau: int) -> int:
+    """Causal area of a document's first ``tau`` tokens (``tau >= 0``)."""
+    return tau * (tau + 1) // 2
 
 
 def _areas_before(items: Sequence[_Item], which: np.ndarray, taus: np.ndarray) -> np.ndarray:
@@ -1205,8 +1210,17 @@ class _Stream:
 
     def head(self, k: int, tau: int) -> int:
         """Area of the first ``tau`` tokens of item ``k`` as it is now."""
+        return self.heads(k)(tau)
+
+    def heads(self, k: int) -> Callable[[int], int]:
+        """``head(k, .)``, for the many calls of one search."""
         it = self.rest.get(k) or self.ranged.get(k)
-        return tau * (tau + 1) // 2 if it is None else it.area_before(tau)
+        return _first_tokens_area if it is None else it.area_before
+
+    def front_area(self) -> Callable[[int], int]:
+        """``front(.)[0]``, for the many calls of one search: the heads of the front item while they stay in it."""
+        size, heads, front = self.length(self.i), self.heads(self.i), self.front
+        return lambda f: heads(f) if f < size else front(f)[0]
 
     def span(self, a: int, b: int) -> Tuple[int, int]:
         """Tokens and area of items ``a .. b - 1`` as they are now."""
@@ -1261,10 +1275,11 @@ class _Stream:
         if self.i >= self.r:
             return False
         r, lo = self.r, self.back_fits(cap)
+        span, front_area = self.span, self.front_area()
 
         def area(e: int) -> int:  # back items e .. r - 1, the rest from the front
-            tokens, back = self.span(e, r)
-            return back + self.front(cap - tokens)[0]
+            tokens, back = span(e, r)
+            return back + front_area(cap - tokens)
 
         if area(lo) > need:
             return self.fill_cutting(b, cap, need, lo - 1, short)  # the item that does not fit whole
@@ -1299,8 +1314,10 @@ class _Stream:
         whole_tokens, whole = self.span(c + 1, r)
         most = min(self.length(c) - 1, cap - whole_tokens)
 
+        heads, front_area = self.heads(c), self.front_area()
+
         def area(head: int) -> int:
-            return whole + self.head(c, head) + self.front(cap - whole_tokens - head)[0]
+            return whole + heads(head) + front_area(cap - whole_tokens - head)
 
         if most < 1 or area(most) > need:
             return False
