@@ -53,7 +53,7 @@ import math
 from collections import Counter
 from itertools import chain, zip_longest
 from operator import attrgetter
-from typing import Callable, Collection, Dict, Iterator, List, Optional, Sequence, Tuple, Union
+from typing import Callable, Collection, Dict, Iterable, Iterator, List, Optional, Sequence, Set, Tuple, Union
 
 import numpy as np
 
@@ -263,13 +263,13 @@ class _Items:
 
 #: Arrays of at most this many values are scanned with one Python loop (``_among``, ``_Items.ranged``): numpy's
 #: setup costs more there. A speed threshold, the results are the same.
-_SCANNED = 256
+_SCANNED = 48
 
 
 def _among(values: np.ndarray, keys: Collection[int]) -> np.ndarray:
     """``np.isin(values, keys)`` (bool, like ``values``), cheaply for few keys or values: a short batch's
     bisections are many and small, where np.isin's setup would cost more than the rest of the bisection."""
-    if len(keys) <= 4:
+    if len(keys) <= 2:
         mask = np.zeros(len(values), dtype=bool)
         for key in keys:
             mask |= values == key
@@ -1097,13 +1097,22 @@ def _cut_rows(sides: Sequence[Union[_Items, Sequence[_Item]]], docs: Optional[Se
     sides = [_as_items(side) for side in sides]
     if docs is None:
         return _node_rows(sides)
-    ends: Dict[int, List[int]] = {}  # (few documents: their items' ends gathered one by one)
+    ends = []  # (few documents: their items' ends gathered one by one)
     for side in sides:
         at = np.flatnonzero(_among(side.doc, docs))
         for k, d in zip(at.tolist(), side.doc[at].tolist()):
             ranges = side.pieces.get(d)
-            ends.setdefault(d, []).append(int(side.length[k]) if ranges is None else ranges[-1][1])
-    return sum(sum(e) - max(e) for e in ends.values())
+            ends.append((d, int(side.length[k]) if ranges is None else ranges[-1][1]))
+    return _horizon_rows(ends)
+
+
+def _horizon_rows(ends: Iterable[Tuple[int, int]]) -> int:
+    """Rows moved between the holders of pieces ending at ``ends`` (document, in-document end position): the
+    horizon formula, for every document the ends of its pieces but the one ending last."""
+    by_doc: Dict[int, List[int]] = {}
+    for d, end in ends:
+        by_doc.setdefault(d, []).append(end)
+    return sum(sum(e) - max(e) for e in by_doc.values())
 
 
 def _reopened(items: _Items, sides: List[_Items], cut: List[int], rooms: Tuple[int, int],
@@ -1124,17 +1133,22 @@ def _reopened(items: _Items, sides: List[_Items], cut: List[int], rooms: Tuple[i
     the traffic). After a single cut within the slack the search saved ~0.1-0.5 % of the rows at up to 2.5 ms
     per 1M-token plan (docs/sequence_aware.md), so it runs after one cut only where the greedy steps missed.
     ``cut``: the documents on both sides (at least 2, or 1 where ``missed``; at most ``config.reopened - 2``)."""
-    found, moved = _reopenings(items, sides, cut, rooms, targets, slack, config, cap)
+    found, fixed, moved = _reopenings(items, sides, cut, rooms, targets, slack, config, cap)
     if not found:
         return sides
-    return found[0] if missed or _cut_rows(found[0], moved) < _cut_rows(sides, cut) else sides
+    # (the rows of the moved documents: those of the split alone, before it is joined to the items left in place)
+    split_rows = _horizon_rows((it.doc, it.ranges[-1][1]) for side in found[0] for it in side)
+    if missed or split_rows < _cut_rows(sides, cut):
+        return _joined(fixed, found[0], moved)
+    return sides
 
 
 def _reopenings(items: _Items, sides: List[_Items], cut: Sequence[int], rooms: Tuple[int, int],
                 targets: Tuple[float, float], slack: float, config: PlacementConfig, cap: Optional[int] = None,
-                count: int = 1) -> Tuple[List[List[_Items]], np.ndarray]:
-    """``_reopened``'s search: up to ``count`` splits (``_exhaustive_bisections``, of distinct kinds: which item
-    is cut and where each free item heavier than the ``slack`` goes), and the documents it moves."""
+                count: int = 1) -> Tuple[List[List[List[_Item]]], List[_Items], Set[int]]:
+    """``_reopened``'s search: up to ``count`` splits of the items it frees (``_exhaustive_bisections``, of distinct
+    kinds: which item is cut and where each free item heavier than the ``slack`` goes), the items each side keeps in
+    place, and the documents it moves (``_joined`` makes a split whole sides)."""
     # The heaviest uncut items of both sides, by decreasing area (ties: left side first, then position).
     uncut = [np.flatnonzero(~_among(side.doc, cut)) for side in sides]
     heaviest = min(config.heaviest, config.reopened) - len(cut)
@@ -1154,20 +1168,22 @@ def _reopenings(items: _Items, sides: List[_Items], cut: Sequence[int], rooms: T
     alternate = [(s, k) for pair in zip_longest(*shortest) for s, k in zip((0, 1), pair) if k is not None][:wanted]
     free = [items.item(k) for k in np.flatnonzero(_among(items.doc, cut)).tolist()]
     free += [sides[s].item(k) for s, k in chosen + alternate]
-    moved = np.array(sorted(it.doc for it in free), dtype=np.int64)
-    moved_docs = set(moved.tolist())
-    fixed = [side.take(np.flatnonzero(~_among(side.doc, moved_docs))) for side in sides]
+    moved = {it.doc for it in free}
+    fixed = [side.take(np.flatnonzero(~_among(side.doc, moved))) for side in sides]
     found = _exhaustive_bisections(free, tuple(r - int(f.length.sum()) for r, f in zip(rooms, fixed)),
                                    tuple(t - f.total_area() for t, f in zip(targets, fixed)), slack,
                                    config.visits * count, cap, count, [it.doc for it in free if it.area > slack])
-    joined = []
-    for split in found:
-        joined.append([])
-        for f, side in zip(fixed, split):
-            side = _Items.of(side)
-            joined[-1].append(_concat([f, side], {**{d: r for d, r in f.pieces.items() if d not in moved_docs},
-                                                  **side.pieces}))
-    return joined, moved
+    return found, fixed, moved
+
+
+def _joined(fixed: List[_Items], split: List[List[_Item]], moved: Set[int]) -> List[_Items]:
+    """A split of ``_reopenings`` as whole sides: each side's items kept in place (``fixed``), then its part of the
+    split (the documents ``moved``)."""
+    sides = []
+    for f, side in zip(fixed, split):
+        side = _Items.of(side)
+        sides.append(_concat([f, side], {**{d: r for d, r in f.pieces.items() if d not in moved}, **side.pieces}))
+    return sides
 
 
 def _shortest(lengths: np.ndarray, count: int) -> np.ndarray:
@@ -1515,8 +1531,9 @@ def _lookahead(items: _Items, sides: List[_Items], halves: Tuple[list, list], ro
     candidates = [_bisect_items(items, rooms, wanted, True, config, slack, cap=int(fraction * longest))
                   for fraction in (config.lookahead if shorter else ())]
     if config.alternatives and len(cut) <= config.reopened - 2:
-        candidates += _reopenings(items, sides, cut.tolist(), rooms, wanted, pairs, config,
-                                  count=config.alternatives)[0]
+        found, fixed, moved = _reopenings(items, sides, cut.tolist(), rooms, wanted, pairs, config,
+                                          count=config.alternatives)
+        candidates += [_joined(fixed, split, moved) for split in found]
     for candidate in candidates:
         if max(abs(side.total_area() - w) for side, w in zip(candidate, wanted)) > allowed:
             continue
