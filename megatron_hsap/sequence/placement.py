@@ -84,9 +84,9 @@ class _Item:
             self._offsets = None
         else:
             offsets, areas = [0], [0]
-            for s, e in ranges:
+            for s, e in ranges:  # (causal_area(s, e) written out: each range holds tokens)
                 offsets.append(offsets[-1] + e - s)
-                areas.append(areas[-1] + causal_area(s, e))
+                areas.append(areas[-1] + (e - s) * (s + e + 1) // 2)
             self.length, self.area = offsets[-1], areas[-1]
             self._offsets, self._areas = offsets, areas
 
@@ -1356,19 +1356,20 @@ class _Stream:
         """What each bin received: its items given whole (in density order), then its pieces; the columns of all
         bins made at once, each bin's a slice of them."""
         sizes = [len(pieces) for pieces in self.pieces]
-        whole = np.bincount(self.owner + 1, minlength=len(sizes) + 1)[1:]
-        index = np.argsort(self.owner, kind="stable")[len(self.owner) - int(whole.sum()):]
+        whole = np.bincount(self.owner + 1, minlength=len(sizes) + 1)[1:].tolist()
+        index = np.argsort(self.owner, kind="stable")[len(self.owner) - sum(whole):]
         extra = [p for pieces in self.pieces for p in pieces]
-        of_bin = np.concatenate([self.owner[index], np.repeat(np.arange(len(sizes)), sizes)])
+        of_bin = np.concatenate([self.owner[index], [b for b, size in enumerate(sizes) for _ in range(size)]])
         order = np.argsort(of_bin, kind="stable")  # per bin, its whole items first
         doc, length, area = (np.concatenate([getattr(self.items, f)[index],
                                              np.array([getattr(p, f) for p in extra], dtype=np.int64)])[order]
                              for f in ("doc", "length", "area"))
-        ends = np.cumsum(whole + sizes).tolist()
-        out = []
-        for lo, hi, pieces in zip([0] + ends[:-1], ends, self.pieces):
+        out, lo = [], 0
+        for count, size, pieces in zip(whole, sizes, self.pieces):
+            hi = lo + count + size
             ranges = {**self.items.pieces, **{p.doc: p.ranges for p in pieces}} if pieces else self.items.pieces
             out.append(_Items(doc[lo:hi], length[lo:hi], area[lo:hi], ranges))
+            lo = hi
         return out
 
 
