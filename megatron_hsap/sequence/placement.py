@@ -333,12 +333,14 @@ class _Pool:
     def _area_upto(self, position: int) -> float:
         """Area of the first ``position`` tokens of the whole density order."""
         tokens, areas = self.tokens, self.areas
-        j = (bisect.bisect_right(tokens, position) if self.listed
-             else int(np.searchsorted(tokens, position, "right"))) - 1
+        if self.listed:
+            j = bisect.bisect_right(tokens, position) - 1
+            if j == len(tokens) - 1:
+                return float(areas[-1])
+            return areas[j] + (position - tokens[j]) * self.item_areas[j] / self.lengths[j]
+        j = int(np.searchsorted(tokens, position, "right")) - 1
         if j == len(self.sel):
             return float(areas[-1])
-        if self.listed:
-            return areas[j] + (position - tokens[j]) * self.item_areas[j] / self.lengths[j]
         # numpy scalars: as Python ints, whose products do not overflow.
         return int(areas[j]) + (int(position) - int(tokens[j])) * int(self.item_areas[j]) / int(self.lengths[j])
 
@@ -1189,6 +1191,9 @@ def _joined(fixed: List[_Items], split: List[List[_Item]], moved: Set[int]) -> L
 def _shortest(lengths: np.ndarray, count: int) -> np.ndarray:
     """Indices of the ``count`` smallest of ``lengths`` in (length, index) order (a stable sort's first ``count``),
     without sorting them all."""
+    if len(lengths) <= _SCANNED:  # (few: one Python sort, stable)
+        values = lengths.tolist()
+        return np.array(sorted(range(len(values)), key=values.__getitem__)[:max(count, 0)], dtype=np.int64)
     if count >= len(lengths):
         return np.argsort(lengths, kind="stable")
     if count <= 0:
