@@ -264,6 +264,8 @@ class _Items:
 #: Arrays of at most this many values are scanned with one Python loop (``_among``, ``_Items.ranged``): numpy's
 #: setup costs more there. A speed threshold, the results are the same.
 _SCANNED = 48
+#: ... and at most this many with a search in the sorted keys (``_among``), more with ``np.isin`` (faster there).
+_SEARCHED = 4096
 
 
 def _among(values: np.ndarray, keys: Collection[int]) -> np.ndarray:
@@ -277,6 +279,8 @@ def _among(values: np.ndarray, keys: Collection[int]) -> np.ndarray:
     if len(values) <= _SCANNED:
         keys = keys if isinstance(keys, (dict, set, frozenset)) else set(keys)  # (a dict's keys are a set already)
         return np.fromiter((v in keys for v in values.tolist()), bool, len(values))
+    if len(values) > _SEARCHED:
+        return np.isin(values, list(keys))
     ordered = np.sort(np.fromiter(keys, np.int64, len(keys)))  # (a search in the sorted keys: less setup than np.isin)
     return ordered[np.minimum(np.searchsorted(ordered, values), len(ordered) - 1)] == values
 
