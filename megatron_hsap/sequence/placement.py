@@ -234,7 +234,7 @@ class _Items:
             return []
         if len(self.doc) <= _SCANNED:  # (one dict lookup each, no numpy calls)
             return [(k, d, pieces[d]) for k, d in enumerate(self.doc.tolist()) if d in pieces]
-        at = np.flatnonzero(_among(self.doc, pieces))
+        at = _among(self.doc, pieces).nonzero()[0]
         return [(k, d, pieces[d]) for k, d in zip(at.tolist(), self.doc[at].tolist())]
 
     def ends(self) -> np.ndarray:
@@ -762,7 +762,7 @@ class _Bisection:
                 wanted = set(lengths)
                 at = [(k, length) for k, length in enumerate(side[1]) if length in wanted]
             else:
-                at = np.flatnonzero(_among(side[1], lengths))
+                at = _among(side[1], lengths).nonzero()[0]
                 at = zip(at.tolist(), side[1][at].tolist())
             for k, length in at:
                 if k not in pieces:
@@ -845,10 +845,12 @@ def _close_gap(lengths: Union[np.ndarray, List[int]], taken: Union[np.ndarray, L
         starts = [a for a in range(len(fits)) if a == 0 or values[a] != values[a - 1]]
         keys = [-values[a] for a in starts]
     else:
-        fits = np.flatnonzero(~taken[i:] & (lengths[i:] <= gap)) + i
-        fits = fits[np.argsort(-lengths[fits], kind="stable")]
+        fits = (~taken[i:] & (lengths[i:] <= gap)).nonzero()[0] + i
+        fits = fits[(-lengths[fits]).argsort(kind="stable")]
         values = lengths[fits]
-        at = np.flatnonzero(np.diff(values, prepend=-1))
+        change = np.ones(len(values), dtype=bool)  # the first of each run of equal lengths
+        change[1:] = values[1:] != values[:-1]
+        at = change.nonzero()[0]
         starts, keys = at.tolist(), (-values[at]).tolist()
     starts.append(len(fits))
     # Group by group of equal lengths, longest first; the groups longer than the gap left take none of theirs and are
@@ -873,8 +875,8 @@ def _shortest_of(lengths: Union[np.ndarray, List[int]], taken: Union[np.ndarray,
     """The ``count`` shortest items of ``i:`` whose ``taken`` is ``flag``, in (length, index) order."""
     if isinstance(taken, list):
         return sorted((m for m in range(i, len(taken)) if taken[m] == flag), key=lambda m: lengths[m])[:count]
-    at = np.flatnonzero(taken[i:] == flag) + i
-    return at[np.argsort(lengths[at], kind="stable")[:count]].tolist()
+    at = (taken[i:] == flag).nonzero()[0] + i
+    return at[lengths[at].argsort(kind="stable")[:count]].tolist()
 
 
 def _exchange(inside: List[int], outside: List[int], lengths: Dict[int, int], taken: Union[np.ndarray, List[bool]],
@@ -1069,7 +1071,7 @@ def _bisect_items(items: Union[_Items, Sequence[_Item]], rooms: Tuple[int, int],
     pool = state.pool
     heavy = config.heavy * max(1.0, min(targets))
     # Items are placed one by one up to the last heavy one; the rest are dealt as a window.
-    over = np.flatnonzero(pool.item_area_array > heavy)
+    over = (pool.item_area_array > heavy).nonzero()[0]
     end = int(over[-1]) + 1 if len(over) else 0
     if end > 64 or len(pool) <= 4096:  # many scalar reads, or few items: Python lists are faster
         pool.as_lists()
@@ -1105,7 +1107,7 @@ def _cut_rows(sides: Sequence[Union[_Items, Sequence[_Item]]], docs: Optional[Se
         return _node_rows(sides)
     ends = []  # (few documents: their items' ends gathered one by one)
     for side in sides:
-        at = np.flatnonzero(_among(side.doc, docs))
+        at = _among(side.doc, docs).nonzero()[0]
         for k, d in zip(at.tolist(), side.doc[at].tolist()):
             ranges = side.pieces.get(d)
             ends.append((d, int(side.length[k]) if ranges is None else ranges[-1][1]))
@@ -1156,7 +1158,7 @@ def _reopenings(items: _Items, sides: List[_Items], cut: Sequence[int], rooms: T
     kinds: which item is cut and where each free item heavier than the ``slack`` goes), the items each side keeps in
     place, and the documents it moves (``_joined`` makes a split whole sides)."""
     # The heaviest uncut items of both sides, by decreasing area (ties: left side first, then position).
-    uncut = [np.flatnonzero(~_among(side.doc, cut)) for side in sides]
+    uncut = [(~_among(side.doc, cut)).nonzero()[0] for side in sides]
     heaviest = min(config.heaviest, config.reopened) - len(cut)
     chosen: List[Tuple[int, int]] = []
     if heaviest > 0:
@@ -1172,10 +1174,10 @@ def _reopenings(items: _Items, sides: List[_Items], cut: Sequence[int], rooms: T
         u = u[~_among(u, [k for t, k in chosen if t == s])]
         shortest.append(u[_shortest(side.length[u], wanted)].tolist())
     alternate = [(s, k) for pair in zip_longest(*shortest) for s, k in zip((0, 1), pair) if k is not None][:wanted]
-    free = [items.item(k) for k in np.flatnonzero(_among(items.doc, cut)).tolist()]
+    free = [items.item(k) for k in _among(items.doc, cut).nonzero()[0].tolist()]
     free += [sides[s].item(k) for s, k in chosen + alternate]
     moved = {it.doc for it in free}
-    fixed = [side.take(np.flatnonzero(~_among(side.doc, moved))) for side in sides]
+    fixed = [side.take((~_among(side.doc, moved)).nonzero()[0]) for side in sides]
     found = _exhaustive_bisections(free, tuple(r - int(f.length.sum()) for r, f in zip(rooms, fixed)),
                                    tuple(t - f.total_area() for t, f in zip(targets, fixed)), slack,
                                    config.visits * count, cap, count, [it.doc for it in free if it.area > slack])
@@ -1220,7 +1222,7 @@ class _Stream:
         self.items = items.by_density()
         n = len(self.items)
         self.lengths, self.tok, self.pre = self.items.length.tolist(), [0] * (n + 1), [0] * (n + 1)
-        self.tok[1:], self.pre[1:] = np.cumsum(self.items.length).tolist(), np.cumsum(self.items.area).tolist()
+        self.tok[1:], self.pre[1:] = self.items.length.cumsum().tolist(), self.items.area.cumsum().tolist()
         self.ranged = {k: _Item(d, ranges) for k, d, ranges in self.items.ranged()}
         self.i, self.r, self.rest = 0, n, {}
         self.owner = np.full(n, -1, dtype=np.int64)
@@ -1366,10 +1368,10 @@ class _Stream:
         bins made at once, each bin's a slice of them."""
         sizes = [len(pieces) for pieces in self.pieces]
         whole = np.bincount(self.owner + 1, minlength=len(sizes) + 1)[1:].tolist()
-        index = np.argsort(self.owner, kind="stable")[len(self.owner) - sum(whole):]
+        index = self.owner.argsort(kind="stable")[len(self.owner) - sum(whole):]
         extra = [p for pieces in self.pieces for p in pieces]
         of_bin = np.concatenate([self.owner[index], [b for b, size in enumerate(sizes) for _ in range(size)]])
-        order = np.argsort(of_bin, kind="stable")  # per bin, its whole items first
+        order = of_bin.argsort(kind="stable")  # per bin, its whole items first
         doc, length, area = (np.concatenate([getattr(self.items, f)[index],
                                              np.array([getattr(p, f) for p in extra], dtype=np.int64)])[order]
                              for f in ("doc", "length", "area"))
@@ -1727,8 +1729,8 @@ def _total_areas(groups: Sequence[_Items]) -> List[int]:
     sizes = np.array([len(g) for g in groups], dtype=np.int64)
     prefix = np.zeros(int(sizes.sum()) + 1, dtype=np.int64)
     if len(prefix) > 1:
-        np.cumsum(np.concatenate([g.area for g in groups]), out=prefix[1:])
-    ends = np.cumsum(sizes)
+        np.concatenate([g.area for g in groups]).cumsum(out=prefix[1:])
+    ends = sizes.cumsum()
     return (prefix[ends] - prefix[ends - sizes]).tolist()
 
 
