@@ -181,7 +181,7 @@ def _areas_before(items: Sequence[_Item], which: np.ndarray, taus: np.ndarray) -
             area += causal_area(s, e)
     scale = float(1 << 40)  # above any stream offset: (item, offset) keys sort by item, then offset
     keys = np.array(owner, dtype=np.float64) * scale + np.array(offsets, dtype=np.float64)
-    j = np.searchsorted(keys, which * scale + taus, side="right") - 1
+    j = keys.searchsorted(which * scale + taus, side="right") - 1
     a = np.array(starts, dtype=np.float64)[j]
     b = a + (taus - np.array(offsets, dtype=np.float64)[j])
     return np.array(prefix, dtype=np.float64)[j] + (b - a) * (a + b + 1) / 2
@@ -281,8 +281,9 @@ def _among(values: np.ndarray, keys: Collection[int]) -> np.ndarray:
         return np.fromiter((v in keys for v in values.tolist()), bool, len(values))
     if len(values) > _SEARCHED:
         return np.isin(values, list(keys))
-    ordered = np.sort(np.fromiter(keys, np.int64, len(keys)))  # (a search in the sorted keys: less setup than np.isin)
-    return ordered[np.minimum(np.searchsorted(ordered, values), len(ordered) - 1)] == values
+    ordered = np.fromiter(keys, np.int64, len(keys))
+    ordered.sort()  # (a search in the sorted keys: less setup than np.isin)
+    return ordered[np.minimum(ordered.searchsorted(values), len(ordered) - 1)] == values
 
 
 def _as_items(items: Union[_Items, Sequence[_Item]]) -> _Items:
@@ -329,7 +330,7 @@ class _Pool:
         """Where ``tokens`` goes in the prefix token counts (``np.searchsorted``'s ``side``)."""
         if self.listed:
             return (bisect.bisect_left if side == "left" else bisect.bisect_right)(self.tokens, tokens)
-        return int(np.searchsorted(self.token_array, tokens, side))
+        return int(self.token_array.searchsorted(tokens, side))
 
     def size(self, i: int) -> int:
         return self.tokens[-1] - self.tokens[i]
@@ -342,7 +343,7 @@ class _Pool:
             if j == len(tokens) - 1:
                 return float(areas[-1])
             return areas[j] + (position - tokens[j]) * self.item_areas[j] / self.lengths[j]
-        j = int(np.searchsorted(tokens, position, "right")) - 1
+        j = int(tokens.searchsorted(position, "right")) - 1
         if j == len(self.sel):
             return float(areas[-1])
         # numpy scalars: as Python ints, whose products do not overflow.
@@ -891,14 +892,14 @@ def _exchange(inside: List[int], outside: List[int], lengths: Dict[int, int], ta
     if not inside or not outside:
         return gap
     ins = np.array([lengths[m] for m in inside], dtype=np.int64)
-    order = np.argsort(ins, kind="stable")  # taken items by length, then their order in `inside`
+    order = ins.argsort(kind="stable")  # taken items by length, then their order in `inside`
     values = ins[order]
     need = np.array([lengths[u] for u in outside], dtype=np.int64) - gap  # what the taken items given back hold
 
     def found(wanted: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
         """Per wanted length, the position of the first taken item of that length in ``values``, and whether
         there is one."""
-        at = np.searchsorted(values, wanted)
+        at = values.searchsorted(wanted)
         return at, values[np.minimum(at, len(values) - 1)] == wanted
 
     def swap(ins: Sequence[int], outs: Sequence[int]) -> int:
@@ -975,7 +976,7 @@ def _exhaustive_bisections(items: List[_Item], rooms: Tuple[int, int], targets: 
     # Subset sums as one product (integers below 2**53: exact in float64 whatever the order of the sums).
     tokens, areas = (masks @ np.array([(it.length, it.area) for it in items], dtype=np.float64).reshape(n, 2)).T
     error = np.abs(areas - targets[0])
-    exact = np.flatnonzero((tokens == rooms[0]) & (error <= slack))
+    exact = ((tokens == rooms[0]) & (error <= slack)).nonzero()[0]
     if len(exact):
         chosen = masks[exact[np.argmin(error[exact])]]
         return [[[it for it, b in zip(items, chosen) if b == side] for side in (1, 0)]]
@@ -983,8 +984,8 @@ def _exhaustive_bisections(items: List[_Item], rooms: Tuple[int, int], targets: 
     lengths = tokens[1 << np.arange(n)]  # the one-item subsets
     # (item, subset) pairs where the item, not in the subset, would fill the room by a cut: one 2-D test over the
     # subsets some item could complete, grouped by item (each item's subsets increasing).
-    near = np.flatnonzero((room > 0) & (room < lengths.max(initial=0)))
-    cuts, pairs = np.nonzero((outside[near] & (room[near, None] < lengths)).T)
+    near = ((room > 0) & (room < lengths.max(initial=0))).nonzero()[0]
+    cuts, pairs = (outside[near] & (room[near, None] < lengths)).T.nonzero()
     pairs = near[pairs]
     if not len(cuts):
         return []
@@ -1005,7 +1006,7 @@ def _exhaustive_bisections(items: List[_Item], rooms: Tuple[int, int], targets: 
     best = None
     kinds: dict = {}  # (cut item, the `distinct` items on the left) -> the cheapest split of that kind
     marks = [k for k, it in enumerate(items) if it.doc in distinct]
-    for k in np.argsort(bounds, kind="stable")[:visits].tolist():
+    for k in bounds.argsort(kind="stable")[:visits].tolist():
         if best is not None and (bounds[k] >= best[0] if count == 1 else len(kinds) >= count
                                  and bounds[k] >= sorted(v[0] for v in kinds.values())[count - 1]):
             break
@@ -1201,7 +1202,7 @@ def _shortest(lengths: np.ndarray, count: int) -> np.ndarray:
         values = lengths.tolist()
         return np.array(sorted(range(len(values)), key=values.__getitem__)[:max(count, 0)], dtype=np.int64)
     if count >= len(lengths):
-        return np.argsort(lengths, kind="stable")
+        return lengths.argsort(kind="stable")
     if count <= 0:
         return np.zeros(0, dtype=np.int64)
     bar = np.partition(lengths, count - 1)[count - 1]
@@ -1209,7 +1210,7 @@ def _shortest(lengths: np.ndarray, count: int) -> np.ndarray:
     chosen = np.flatnonzero(lengths <= bar)
     below = lengths[chosen] < bar
     chosen = np.concatenate([chosen[below], chosen[~below][:count - int(below.sum())]])
-    return chosen[np.argsort(lengths[chosen], kind="stable")]
+    return chosen[lengths[chosen].argsort(kind="stable")]
 
 
 class _Stream:
