@@ -213,7 +213,7 @@ class _Items:
         return iter(self.items())
 
     def total_area(self) -> int:
-        return int(self.area.sum())
+        return int(np.add.reduce(self.area))  # (the ufunc: no Python wrapper, many small groups)
 
     def item(self, k: int) -> _Item:
         doc = int(self.doc[k])
@@ -507,7 +507,7 @@ class _Bisection:
             elif isinstance(e, np.ndarray):
                 if len(e):
                     out.append(e)
-                    room -= int(items.length[e].sum())
+                    room -= int(np.add.reduce(items.length[e]))
                     missing = _subtract_all(missing, items.area[e])
             else:
                 out.append(e)
@@ -656,7 +656,7 @@ class _Bisection:
         if listed:
             target = self.missing[0] - sum(a for a, k in zip(pool.item_areas[t:], tiny_taken[::-1]) if k)
         else:
-            target = self.missing[0] - int(pool.item_area_array[t:][taken[t:]].sum())
+            target = self.missing[0] - int(np.add.reduce(pool.item_area_array[t:][taken[t:]]))
         # Start of the run over items[i:t]: the window of `gap` tokens starting at item j has an area decreasing in j.
         last = pool.search(int(tokens[t]) - gap, "right") - 1  # latest start with `gap` tokens before t
         last = max(i, min(last, t - 1))
@@ -1179,7 +1179,7 @@ def _reopenings(items: _Items, sides: List[_Items], cut: Sequence[int], rooms: T
     free += [sides[s].item(k) for s, k in chosen + alternate]
     moved = {it.doc for it in free}
     fixed = [side.take((~_among(side.doc, moved)).nonzero()[0]) for side in sides]
-    found = _exhaustive_bisections(free, tuple(r - int(f.length.sum()) for r, f in zip(rooms, fixed)),
+    found = _exhaustive_bisections(free, tuple(r - int(np.add.reduce(f.length)) for r, f in zip(rooms, fixed)),
                                    tuple(t - f.total_area() for t, f in zip(targets, fixed)), slack,
                                    config.visits * count, cap, count, [it.doc for it in free if it.area > slack])
     return found, fixed, moved
@@ -1209,7 +1209,7 @@ def _shortest(lengths: np.ndarray, count: int) -> np.ndarray:
     # Every index below the bar, then the first ones at it: the `count` smallest, ties by index.
     chosen = np.flatnonzero(lengths <= bar)
     below = lengths[chosen] < bar
-    chosen = np.concatenate([chosen[below], chosen[~below][:count - int(below.sum())]])
+    chosen = np.concatenate([chosen[below], chosen[~below][:count - np.count_nonzero(below)]])
     return chosen[lengths[chosen].argsort(kind="stable")]
 
 
