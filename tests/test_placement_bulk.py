@@ -61,26 +61,22 @@ def _reference_exchange(inside: List[int], outside: List[int], lengths: dict, ta
     def first(length: int, other_than: int = -1) -> int:
         return next((m for m in inside if lengths[m] == length and m != other_than), -1)
 
-    def swap(ins: List[int], outs: List[int]) -> int:
-        for m in ins:
-            taken[m] = True
-        for m in outs:
-            taken[m] = False
-        return 0
+    def swaps():  # (items taken in, items given back), in the loops' order
+        for u in outside:
+            yield [u], [first(lengths[u] - gap)]
+        for x, u1 in enumerate(outside):
+            for u2 in outside[x + 1:]:
+                yield [u1, u2], [first(lengths[u1] + lengths[u2] - gap)]
+        for u in outside:
+            for t1 in inside:
+                yield [u], [t1, first(lengths[u] - gap - lengths[t1], t1)]
 
-    for u in outside:
-        if first(lengths[u] - gap) >= 0:
-            return swap([u], [first(lengths[u] - gap)])
-    for x, u1 in enumerate(outside):
-        for u2 in outside[x + 1:]:
-            if first(lengths[u1] + lengths[u2] - gap) >= 0:
-                return swap([u1, u2], [first(lengths[u1] + lengths[u2] - gap)])
-    for u in outside:
-        for t1 in inside:
-            t2 = first(lengths[u] - gap - lengths[t1], t1)
-            if t2 >= 0:
-                return swap([u], [t1, t2])
-    return gap
+    found = next(((ins, outs) for ins, outs in swaps() if min(outs) >= 0), None)
+    if found is None:
+        return gap
+    taken_in, given_back = found
+    taken[:] = [(m in taken_in or was) and m not in given_back for m, was in enumerate(taken)]
+    return 0
 
 
 def test_exchange_finds_the_loops_first_swap() -> None:
