@@ -47,12 +47,57 @@ def test_subtract_all_rounds_like_one_subtraction_per_item() -> None:
 
 
 @pytest.mark.parametrize("keys", [[], [3], [1, 5, 9, 200], list(range(0, 400, 7))])
-@pytest.mark.parametrize("size", [0, 10, 256, 257, 2000])
+@pytest.mark.parametrize("size", [0, 10, 48, 49, 256, 5000])
 def test_among_is_isin(keys: List[int], size: int) -> None:
     values = np.random.default_rng(size).integers(0, 300, size)
     expected = [int(v) in set(keys) for v in values]
     assert placement_module._among(values, keys).tolist() == expected
     assert placement_module._among(values, dict.fromkeys(keys)).tolist() == expected
+
+
+def _reference_exchange(inside: List[int], outside: List[int], lengths: dict, taken: List[bool], gap: int) -> int:
+    """``_exchange``'s rule as the loops it describes: the first u - t, then u1 + u2 - t (u2 after u1), then
+    u - t1 - t2 (t2 another item than t1) equal to ``gap``, t / t2 the first taken item of its length."""
+    def first(length: int, other_than: int = -1) -> int:
+        return next((m for m in inside if lengths[m] == length and m != other_than), -1)
+
+    def swaps():  # (items taken in, items given back), in the loops' order
+        for u in outside:
+            yield [u], [first(lengths[u] - gap)]
+        for x, u1 in enumerate(outside):
+            for u2 in outside[x + 1:]:
+                yield [u1, u2], [first(lengths[u1] + lengths[u2] - gap)]
+        for u in outside:
+            for t1 in inside:
+                yield [u], [t1, first(lengths[u] - gap - lengths[t1], t1)]
+
+    found = next(((ins, outs) for ins, outs in swaps() if min(outs) >= 0), None)
+    if found is None:
+        return gap
+    taken_in, given_back = found
+    taken[:] = [(m in taken_in or was) and m not in given_back for m, was in enumerate(taken)]
+    return 0
+
+
+def test_exchange_finds_the_loops_first_swap() -> None:
+    """``_exchange`` looks up all pairs at once; its swap must be the one the loops over the pairs find first
+    (shortest-first orders, and any order: ties between equal lengths go to the earlier item in ``inside``)."""
+    rng = random.Random(3)
+    found = {True: 0, False: 0}
+    for case in range(3000):
+        n = rng.choice([0, 1, 2, 5, 12, 60])
+        lengths = [rng.randint(1, rng.choice([3, 12, 100])) for _ in range(n)]
+        taken = [rng.random() < 0.5 for _ in range(n)]
+        key = (lambda m: (lengths[m], m)) if rng.random() < 0.7 else (lambda m: rng.random())
+        count = rng.choice([1, 3, 48])
+        inside = sorted((m for m in range(n) if taken[m]), key=key)[:count]
+        outside = sorted((m for m in range(n) if not taken[m]), key=key)[:count]
+        gap = rng.randint(1, 25)
+        got, expected = list(taken), list(taken)
+        left = placement_module._exchange(inside, outside, {m: lengths[m] for m in inside + outside}, got, gap)
+        assert (left, got) == (_reference_exchange(inside, outside, lengths, expected, gap), expected), case
+        found[left == 0] += 1
+    assert min(found.values()) > 300, found  # both outcomes, many times
 
 
 # ---- step 4 (light items dealt as a window) against the per-item rules --------------------------------------------

@@ -54,7 +54,7 @@ import math
 from collections import Counter
 from itertools import chain, zip_longest
 from operator import attrgetter
-from typing import Collection, Dict, Iterator, List, Optional, Sequence, Tuple, Union
+from typing import Callable, Collection, Dict, Iterable, Iterator, List, Optional, Sequence, Set, Tuple, Union
 
 import numpy as np
 
@@ -86,17 +86,24 @@ class _Item:
             self._offsets = None
         else:
             offsets, areas = [0], [0]
-            for s, e in ranges:
+            for s, e in ranges:  # (causal_area(s, e) written out: each range holds tokens)
                 offsets.append(offsets[-1] + e - s)
-                areas.append(areas[-1] + causal_area(s, e))
+                areas.append(areas[-1] + (e - s) * (s + e + 1) // 2)
             self.length, self.area = offsets[-1], areas[-1]
             self._offsets, self._areas = offsets, areas
 
     @classmethod
     def whole(cls, doc: int, length: int) -> "_Item":
         """Document ``doc`` whole (``length > 0``), as ``_Item(doc, ((0, length),))``, without the general path."""
+        return cls.one(doc, 0, length)
+
+    @classmethod
+    def one(cls, doc: int, start: int, end: int) -> "_Item":
+        """Tokens ``[start, end)`` of document ``doc`` (``end > start``), as ``_Item(doc, ((start, end),))``, without
+        the general path (the pieces cut inside a node are many)."""
         it = cls.__new__(cls)
-        it.doc, it.ranges, it.length, it.area, it._offsets = doc, ((0, length),), length, length * (length + 1) // 2, None
+        it.doc, it.ranges, it.length, it._offsets = doc, ((start, end),), end - start, None
+        it.area = (end - start) * (start + end + 1) // 2  # causal_area(start, end)
         return it
 
     @property
@@ -106,15 +113,19 @@ class _Item:
 
     def area_before(self, offset: int) -> int:
         """Causal area of the first ``offset`` tokens of the stream."""
+        # causal_area(s, s + t) for t >= 0 written out: t * (2 * s + t + 1) // 2 (a planning step's innermost call)
+        if offset <= 0:
+            return 0
+        if offset > self.length:
+            offset = self.length
         if self._offsets is None:
             s = self.ranges[0][0]
-            return causal_area(s, s + min(max(offset, 0), self.length))
-        offset = min(max(offset, 0), self.length)
+            return offset * (2 * s + offset + 1) // 2
         j = bisect.bisect_right(self._offsets, offset) - 1
         if j >= len(self.ranges):
             return self.area
-        s = self.ranges[j][0]
-        return self._areas[j] + causal_area(s, s + offset - self._offsets[j])
+        s, t = self.ranges[j][0], offset - self._offsets[j]
+        return self._areas[j] + t * (2 * s + t + 1) // 2
 
     def end_position(self, offset: int) -> int:
         """In-document position after the stream's first ``offset`` tokens (a piece ending there moves that many
@@ -127,10 +138,18 @@ class _Item:
 
     def outside(self, lo: int, hi: int) -> Ranges:
         """The ranges of the stream outside offsets ``[lo, hi)``: its head and tail, one item (one per document)."""
+        if self._offsets is None:  # one range: written out
+            s, e = self.ranges[0]
+            head, tail = min(lo, e - s), max(hi, 0)
+            return ((((s, s + head),) if head > 0 else ()) + (((s + tail, e),) if tail < e - s else ()))
         return self.sub(0, lo).ranges + self.sub(hi, self.length).ranges
 
     def sub(self, lo: int, hi: int) -> "_Item":
         """The item made of stream offsets ``[lo, hi)``."""
+        if self._offsets is None:  # one range: written out
+            s, e = self.ranges[0]
+            a, b = s + max(lo, 0), s + min(hi, e - s)
+            return _Item.one(self.doc, a, b) if b > a else _Item(self.doc, ())
         out, pos = [], 0
         for s, e in self.ranges:
             a, b = max(lo, pos), min(hi, pos + e - s)
@@ -140,9 +159,18 @@ class _Item:
         return _Item(self.doc, tuple(out))
 
 
+def _first_tokens_area(tau: int) -> int:
+    """Causal area of a document's first ``tau`` tokens (``tau >= 0``)."""
+    return tau * (tau + 1) // 2
+
+
 def _areas_before(items: Sequence[_Item], which: np.ndarray, taus: np.ndarray) -> np.ndarray:
     """``items[which[i]].area_before(taus[i])`` for every i at once (float64: exact below 2**53): the items'
-    ranges in one table keyed by (item, stream offset), one search for all queries."""
+    ranges in one table keyed by (item, stream offset), one search for all queries; items of one range each (the
+    usual case) without the search, by the same formula."""
+    if all(it._offsets is None for it in items):
+        a = np.array([it.ranges[0][0] for it in items], dtype=np.float64)[which]
+        return taus * (a + (a + taus) + 1) / 2  # (b - a) * (a + b + 1) / 2 with b = a + taus, as below
     owner, offsets, starts, prefix = [], [], [], []
     for k, it in enumerate(items):
         offset, area = 0, 0
@@ -155,7 +183,7 @@ def _areas_before(items: Sequence[_Item], which: np.ndarray, taus: np.ndarray) -
             area += causal_area(s, e)
     scale = float(1 << 40)  # above any stream offset: (item, offset) keys sort by item, then offset
     keys = np.array(owner, dtype=np.float64) * scale + np.array(offsets, dtype=np.float64)
-    j = np.searchsorted(keys, which * scale + taus, side="right") - 1
+    j = keys.searchsorted(which * scale + taus, side="right") - 1
     a = np.array(starts, dtype=np.float64)[j]
     b = a + (taus - np.array(offsets, dtype=np.float64)[j])
     return np.array(prefix, dtype=np.float64)[j] + (b - a) * (a + b + 1) / 2
@@ -187,7 +215,7 @@ class _Items:
         return iter(self.items())
 
     def total_area(self) -> int:
-        return int(self.area.sum())
+        return int(np.add.reduce(self.area))  # (the ufunc: no Python wrapper, many small groups)
 
     def item(self, k: int) -> _Item:
         doc = int(self.doc[k])
@@ -200,22 +228,31 @@ class _Items:
     def take(self, index: np.ndarray) -> "_Items":
         return _Items(self.doc[index], self.length[index], self.area[index], self.pieces)
 
+    def ranged(self) -> List[Tuple[int, int, Ranges]]:
+        """(position, document, ranges) of the items that are not their document's first ``length`` tokens, by
+        position."""
+        pieces = self.pieces
+        if not pieces:
+            return []
+        if len(self.doc) <= _SCANNED:  # (one dict lookup each, no numpy calls)
+            return [(k, d, pieces[d]) for k, d in enumerate(self.doc.tolist()) if d in pieces]
+        at = _among(self.doc, pieces).nonzero()[0]
+        return [(k, d, pieces[d]) for k, d in zip(at.tolist(), self.doc[at].tolist())]
+
     def ends(self) -> np.ndarray:
         """In-document position after each item's last token."""
         ends = self.length.copy()
-        if self.pieces:
-            for k in np.flatnonzero(_among(self.doc, self.pieces)).tolist():
-                ends[k] = self.pieces[int(self.doc[k])][-1][1]
+        for k, _, ranges in self.ranged():
+            ends[k] = ranges[-1][1]
         return ends
 
     def by_density(self) -> "_Items":
         """Sorted by decreasing density (area per token, on an integer scale: deterministic), then document."""
         key = -((self.length + 1) << 19)  # -area * 2**20 // length, exactly, for a document's first tokens
         pieces = {}
-        if self.pieces:  # (only the pieces present are kept)
-            for k in np.flatnonzero(_among(self.doc, self.pieces)).tolist():
-                key[k] = -int(self.area[k]) * (1 << 20) // int(self.length[k])
-                pieces[int(self.doc[k])] = self.pieces[int(self.doc[k])]
+        for k, d, ranges in self.ranged():  # (only the pieces present are kept)
+            key[k] = -int(self.area[k]) * (1 << 20) // int(self.length[k])
+            pieces[d] = ranges
         # Groups come mostly sorted already (a side receives its items in its parent's order): a stable sort by
         # density is the (density, document) order unless it leaves equal densities out of document order.
         order = key.argsort(kind="stable")
@@ -226,18 +263,29 @@ class _Items:
         return _Items(doc, self.length[order], self.area[order], pieces)
 
 
+#: Arrays of at most this many values are scanned with one Python loop (``_among``, ``_Items.ranged``): numpy's
+#: setup costs more there. A speed threshold, the results are the same.
+_SCANNED = 48
+#: ... and at most this many with a search in the sorted keys (``_among``), more with ``np.isin`` (faster there).
+_SEARCHED = 4096
+
+
 def _among(values: np.ndarray, keys: Collection[int]) -> np.ndarray:
     """``np.isin(values, keys)`` (bool, like ``values``), cheaply for few keys or values: a short batch's
     bisections are many and small, where np.isin's setup would cost more than the rest of the bisection."""
-    if len(keys) <= 4:
+    if len(keys) <= 2:
         mask = np.zeros(len(values), dtype=bool)
         for key in keys:
             mask |= values == key
         return mask
-    if len(values) <= 256:
-        keys = set(keys)
+    if len(values) <= _SCANNED:
+        keys = keys if isinstance(keys, (dict, set, frozenset)) else set(keys)  # (a dict's keys are a set already)
         return np.fromiter((v in keys for v in values.tolist()), bool, len(values))
-    return np.isin(values, list(keys))
+    if len(values) > _SEARCHED:
+        return np.isin(values, list(keys))
+    ordered = np.fromiter(keys, np.int64, len(keys))
+    ordered.sort()  # (a search in the sorted keys: less setup than np.isin)
+    return ordered[np.minimum(ordered.searchsorted(values), len(ordered) - 1)] == values
 
 
 def _as_items(items: Union[_Items, Sequence[_Item]]) -> _Items:
@@ -284,7 +332,7 @@ class _Pool:
         """Where ``tokens`` goes in the prefix token counts (``np.searchsorted``'s ``side``)."""
         if self.listed:
             return (bisect.bisect_left if side == "left" else bisect.bisect_right)(self.tokens, tokens)
-        return int(np.searchsorted(self.token_array, tokens, side))
+        return int(self.token_array.searchsorted(tokens, side))
 
     def size(self, i: int) -> int:
         return self.tokens[-1] - self.tokens[i]
@@ -292,12 +340,14 @@ class _Pool:
     def _area_upto(self, position: int) -> float:
         """Area of the first ``position`` tokens of the whole density order."""
         tokens, areas = self.tokens, self.areas
-        j = (bisect.bisect_right(tokens, position) if self.listed
-             else int(np.searchsorted(tokens, position, "right"))) - 1
+        if self.listed:
+            j = bisect.bisect_right(tokens, position) - 1
+            if j == len(tokens) - 1:
+                return float(areas[-1])
+            return areas[j] + (position - tokens[j]) * self.item_areas[j] / self.lengths[j]
+        j = int(tokens.searchsorted(position, "right")) - 1
         if j == len(self.sel):
             return float(areas[-1])
-        if self.listed:
-            return areas[j] + (position - tokens[j]) * self.item_areas[j] / self.lengths[j]
         # numpy scalars: as Python ints, whose products do not overflow.
         return int(areas[j]) + (int(position) - int(tokens[j])) * int(self.item_areas[j]) / int(self.lengths[j])
 
@@ -459,7 +509,7 @@ class _Bisection:
             elif isinstance(e, np.ndarray):
                 if len(e):
                     out.append(e)
-                    room -= int(items.length[e].sum())
+                    room -= int(np.add.reduce(items.length[e]))
                     missing = _subtract_all(missing, items.area[e])
             else:
                 out.append(e)
@@ -541,7 +591,10 @@ class _Bisection:
         if lo > hi:
             return None
         missing, slack = self.missing[holder], self.slack
-        least, most, area_before = pool.least, pool.most, item.area_before
+        area_before, upto = item.area_before, pool._area_upto
+        # pool.least(i, r) and pool.most(i, r) written out below (one call each instead of two)
+        last_tokens, last_area = pool.tokens[-1], pool.areas[-1]
+        first_tokens, first_area = pool.tokens[i], pool.areas[i]
         start = item.ranges[0][0] if len(item.ranges) == 1 else None  # one piece: its heads without the method
         best, seen = None, set()
         limit = hi + 1 if beat is None else beat  # the horizon is at least tau: no better cut from tau = limit on
@@ -554,10 +607,10 @@ class _Bisection:
                 if tau in seen:
                     continue
                 seen.add(tau)
-                head = area_before(tau) if start is None else causal_area(start, start + tau)
-                if head > missing - least(i, room - tau) + slack:
+                head = area_before(tau) if start is None else tau * (2 * start + tau + 1) // 2
+                if head > missing - (last_area - upto(last_tokens - room + tau)) + slack:
                     continue
-                need = missing - most(i, room - tau)
+                need = missing - (upto(first_tokens + room - tau) - first_area)
                 x = tau if need <= head else _horizon_for(item, tau, need, head)
                 if x is not None and (best is None or (x, tau) < best):
                     best, limit = (x, tau), min(limit, x)
@@ -605,7 +658,7 @@ class _Bisection:
         if listed:
             target = self.missing[0] - sum(a for a, k in zip(pool.item_areas[t:], tiny_taken[::-1]) if k)
         else:
-            target = self.missing[0] - int(pool.item_area_array[t:][taken[t:]].sum())
+            target = self.missing[0] - int(np.add.reduce(pool.item_area_array[t:][taken[t:]]))
         # Start of the run over items[i:t]: the window of `gap` tokens starting at item j has an area decreasing in j.
         last = pool.search(int(tokens[t]) - gap, "right") - 1  # latest start with `gap` tokens before t
         last = max(i, min(last, t - 1))
@@ -712,7 +765,7 @@ class _Bisection:
                 wanted = set(lengths)
                 at = [(k, length) for k, length in enumerate(side[1]) if length in wanted]
             else:
-                at = np.flatnonzero(_among(side[1], lengths))
+                at = _among(side[1], lengths).nonzero()[0]
                 at = zip(at.tolist(), side[1][at].tolist())
             for k, length in at:
                 if k not in pieces:
@@ -792,23 +845,31 @@ def _close_gap(lengths: Union[np.ndarray, List[int]], taken: Union[np.ndarray, L
         fits = [m for m in range(i, len(taken)) if not taken[m] and lengths[m] <= gap]
         fits.sort(key=lambda m: -lengths[m])  # stable: ties by index
         values = [lengths[m] for m in fits]
-        starts = [a for a in range(len(fits)) if a == 0 or values[a] != values[a - 1]] + [len(fits)]
+        starts = [a for a in range(len(fits)) if a == 0 or values[a] != values[a - 1]]
+        keys = [-values[a] for a in starts]
     else:
-        fits = np.flatnonzero(~taken[i:] & (lengths[i:] <= gap)) + i
-        fits = fits[np.argsort(-lengths[fits], kind="stable")]
+        fits = (~taken[i:] & (lengths[i:] <= gap)).nonzero()[0] + i
+        fits = fits[(-lengths[fits]).argsort(kind="stable")]
         values = lengths[fits]
-        starts = np.flatnonzero(np.diff(values, prepend=-1)).tolist() + [len(fits)]
-    for a, b in zip(starts[:-1], starts[1:]):
-        value = int(values[a])
-        count = min(b - a, gap // value)
-        if isinstance(taken, list):
-            for m in fits[a:a + count]:
-                taken[m] = True
-        else:
-            taken[fits[a:a + count]] = True
-        gap -= count * value
-        if gap == 0:
-            break
+        change = np.ones(len(values), dtype=bool)  # the first of each run of equal lengths
+        change[1:] = values[1:] != values[:-1]
+        at = change.nonzero()[0]
+        starts, keys = at.tolist(), (-values[at]).tolist()
+    starts.append(len(fits))
+    # Group by group of equal lengths, longest first; the groups longer than the gap left take none of theirs and are
+    # skipped (``keys``: minus each group's length, increasing).
+    chosen = []
+    g = bisect.bisect_left(keys, -gap)
+    while g < len(keys) and gap:
+        count = min(starts[g + 1] - starts[g], gap // -keys[g])
+        chosen.append(fits[starts[g]:starts[g] + count])
+        gap += count * keys[g]
+        g = bisect.bisect_left(keys, -gap, g + 1)
+    if isinstance(taken, list):
+        for m in chain.from_iterable(chosen):
+            taken[m] = True
+    elif chosen:
+        taken[np.concatenate(chosen)] = True
     return gap
 
 
@@ -817,18 +878,31 @@ def _shortest_of(lengths: Union[np.ndarray, List[int]], taken: Union[np.ndarray,
     """The ``count`` shortest items of ``i:`` whose ``taken`` is ``flag``, in (length, index) order."""
     if isinstance(taken, list):
         return sorted((m for m in range(i, len(taken)) if taken[m] == flag), key=lambda m: lengths[m])[:count]
-    at = np.flatnonzero(taken[i:] == flag) + i
-    return at[np.argsort(lengths[at], kind="stable")[:count]].tolist()
+    at = (taken[i:] == flag).nonzero()[0] + i
+    return at[lengths[at].argsort(kind="stable")[:count]].tolist()
 
 
 def _exchange(inside: List[int], outside: List[int], lengths: Dict[int, int], taken: Union[np.ndarray, List[bool]],
               gap: int) -> int:
     """Swap the shortest few items so that ``taken`` gains exactly ``gap`` tokens: u - t, u1 + u2 - t or
     u - t1 - t2 = gap (u: items not taken, t: taken; ``inside`` / ``outside``: the shortest taken / untaken items
-    in (length, index) order; ``lengths``: theirs). Returns the gap left (0 on success)."""
-    by_length: dict = {}
-    for m in inside:
-        by_length.setdefault(lengths[m], []).append(m)
+    in (length, index) order; ``lengths``: theirs). Returns the gap left (0 on success).
+
+    The first solution in the order of the loops ``for u (for u2 after u1) (for t1 in inside)`` with ``t`` (``t2``)
+    the first taken item of the length wanted, found with all pairs at once: each form's wanted lengths as an array,
+    looked up in the taken items' sorted lengths."""
+    if not inside or not outside:
+        return gap
+    ins = np.array([lengths[m] for m in inside], dtype=np.int64)
+    order = ins.argsort(kind="stable")  # taken items by length, then their order in `inside`
+    values = ins[order]
+    need = np.array([lengths[u] for u in outside], dtype=np.int64) - gap  # what the taken items given back hold
+
+    def found(wanted: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
+        """Per wanted length, the position of the first taken item of that length in ``values``, and whether
+        there is one."""
+        at = values.searchsorted(wanted)
+        return at, values[np.minimum(at, len(values) - 1)] == wanted
 
     def swap(ins: Sequence[int], outs: Sequence[int]) -> int:
         for m in ins:
@@ -837,22 +911,23 @@ def _exchange(inside: List[int], outside: List[int], lengths: Dict[int, int], ta
             taken[m] = False
         return 0
 
-    out_lengths = [lengths[u] - gap for u in outside]  # what the taken items given back must hold
-    for u, need in zip(outside, out_lengths):
-        t = by_length.get(need)
-        if t:
-            return swap([u], [t[0]])
-    for x, u1 in enumerate(outside):
-        need = out_lengths[x]
-        for y in range(x + 1, len(outside)):
-            t = by_length.get(need + lengths[outside[y]])
-            if t:
-                return swap([u1, outside[y]], [t[0]])
-    for u, need in zip(outside, out_lengths):
-        for t1 in inside:
-            t = by_length.get(need - lengths[t1])
-            if t and (t[0] != t1 or len(t) > 1):
-                return swap([u], [t1, t[0] if t[0] != t1 else t[1]])
+    at, hit = found(need)  # u - t = gap
+    if hit.any():
+        x = int(hit.argmax())
+        return swap([outside[x]], [inside[order[at[x]]]])
+    n = len(outside)
+    at, hit = found(need[:, None] + (need + gap)[None, :])  # u1 + u2 - t = gap, u2 after u1
+    hit &= np.arange(n)[None, :] > np.arange(n)[:, None]
+    if hit.any():
+        x, y = divmod(int(hit.argmax()), n)
+        return swap([outside[x], outside[y]], [inside[order[at[x, y]]]])
+    at, hit = found(need[:, None] - ins[None, :])  # u - t1 - t2 = gap, t2 not t1 itself
+    twin = values[np.minimum(at + 1, len(values) - 1)] == values[np.minimum(at, len(values) - 1)]
+    hit &= (order[np.minimum(at, len(values) - 1)] != np.arange(len(inside))[None, :]) | (twin & (at + 1 < len(values)))
+    if hit.any():
+        x, a = divmod(int(hit.argmax()), len(inside))
+        t = order[at[x, a]] if order[at[x, a]] != a else order[at[x, a] + 1]
+        return swap([outside[x]], [inside[a], inside[t]])
     return gap
 
 
@@ -903,15 +978,17 @@ def _exhaustive_bisections(items: List[_Item], rooms: Tuple[int, int], targets: 
     # Subset sums as one product (integers below 2**53: exact in float64 whatever the order of the sums).
     tokens, areas = (masks @ np.array([(it.length, it.area) for it in items], dtype=np.float64).reshape(n, 2)).T
     error = np.abs(areas - targets[0])
-    exact = np.flatnonzero((tokens == rooms[0]) & (error <= slack))
+    exact = ((tokens == rooms[0]) & (error <= slack)).nonzero()[0]
     if len(exact):
         chosen = masks[exact[np.argmin(error[exact])]]
         return [[[it for it, b in zip(items, chosen) if b == side] for side in (1, 0)]]
     room = rooms[0] - tokens
     lengths = tokens[1 << np.arange(n)]  # the one-item subsets
-    # (item, subset) pairs where the item, not in the subset, would fill the room by a cut: one 2-D test,
-    # grouped by item (each item's subsets increasing).
-    cuts, pairs = np.nonzero((outside & (room[:, None] > 0) & (room[:, None] < lengths)).T)
+    # (item, subset) pairs where the item, not in the subset, would fill the room by a cut: one 2-D test over the
+    # subsets some item could complete, grouped by item (each item's subsets increasing).
+    near = ((room > 0) & (room < lengths.max(initial=0))).nonzero()[0]
+    cuts, pairs = (outside[near] & (room[near, None] < lengths)).T.nonzero()
+    pairs = near[pairs]
     if not len(cuts):
         return []
     cut_length, cut_area = lengths[cuts], areas[1 << cuts]
@@ -931,7 +1008,7 @@ def _exhaustive_bisections(items: List[_Item], rooms: Tuple[int, int], targets: 
     best = None
     kinds: dict = {}  # (cut item, the `distinct` items on the left) -> the cheapest split of that kind
     marks = [k for k, it in enumerate(items) if it.doc in distinct]
-    for k in np.argsort(bounds, kind="stable")[:visits].tolist():
+    for k in bounds.argsort(kind="stable")[:visits].tolist():
         if best is not None and (bounds[k] >= best[0] if count == 1 else len(kinds) >= count
                                  and bounds[k] >= sorted(v[0] for v in kinds.values())[count - 1]):
             break
@@ -948,9 +1025,10 @@ def _exhaustive_bisections(items: List[_Item], rooms: Tuple[int, int], targets: 
                 cost = it.end_position(x)
                 if best is None or cost < best[0]:
                     best = (cost, m, c, holder, x - length, x)
-                kind = (c,) + tuple(bool(masks[m, j]) for j in marks)
-                if count > 1 and (kind not in kinds or cost < kinds[kind][0]):
-                    kinds[kind] = (cost, m, c, holder, x - length, x)
+                if count > 1:
+                    kind = (c,) + tuple(bool(masks[m, j]) for j in marks)
+                    if kind not in kinds or cost < kinds[kind][0]:
+                        kinds[kind] = (cost, m, c, holder, x - length, x)
     if best is None:
         return []
     chosen = [best] if count == 1 else sorted(kinds.values(), key=lambda v: v[0])[:count]
@@ -996,7 +1074,7 @@ def _bisect_items(items: Union[_Items, Sequence[_Item]], rooms: Tuple[int, int],
     pool = state.pool
     heavy = config.heavy * max(1.0, min(targets))
     # Items are placed one by one up to the last heavy one; the rest are dealt as a window.
-    over = np.flatnonzero(pool.item_area_array > heavy)
+    over = (pool.item_area_array > heavy).nonzero()[0]
     end = int(over[-1]) + 1 if len(over) else 0
     if end > 64 or len(pool) <= 4096:  # many scalar reads, or few items: Python lists are faster
         pool.as_lists()
@@ -1028,9 +1106,24 @@ def _cut_rows(sides: Sequence[Union[_Items, Sequence[_Item]]], docs: Optional[Se
     """Rows a bisection moves (``_node_rows`` of its two sides), counting only the documents ``docs`` where
     given."""
     sides = [_as_items(side) for side in sides]
-    if docs is not None:
-        sides = [side.take(np.flatnonzero(_among(side.doc, docs))) for side in sides]
-    return _node_rows(sides)
+    if docs is None:
+        return _node_rows(sides)
+    ends = []  # (few documents: their items' ends gathered one by one)
+    for side in sides:
+        at = _among(side.doc, docs).nonzero()[0]
+        for k, d in zip(at.tolist(), side.doc[at].tolist()):
+            ranges = side.pieces.get(d)
+            ends.append((d, int(side.length[k]) if ranges is None else ranges[-1][1]))
+    return _horizon_rows(ends)
+
+
+def _horizon_rows(ends: Iterable[Tuple[int, int]]) -> int:
+    """Rows moved between the holders of pieces ending at ``ends`` (document, in-document end position): the
+    horizon formula, for every document the ends of its pieces but the one ending last."""
+    by_doc: Dict[int, List[int]] = {}
+    for d, end in ends:
+        by_doc.setdefault(d, []).append(end)
+    return sum(sum(e) - max(e) for e in by_doc.values())
 
 
 def _reopened(items: _Items, sides: List[_Items], cut: List[int], rooms: Tuple[int, int],
@@ -1051,19 +1144,24 @@ def _reopened(items: _Items, sides: List[_Items], cut: List[int], rooms: Tuple[i
     the traffic). After a single cut within the slack the search saved ~0.1-0.5 % of the rows at up to 2.5 ms
     per 1M-token plan (docs/sequence_aware.md), so it runs after one cut only where the greedy steps missed.
     ``cut``: the documents on both sides (at least 2, or 1 where ``missed``; at most ``config.reopened - 2``)."""
-    found, moved = _reopenings(items, sides, cut, rooms, targets, slack, config, cap)
+    found, fixed, moved = _reopenings(items, sides, cut, rooms, targets, slack, config, cap)
     if not found:
         return sides
-    return found[0] if missed or _cut_rows(found[0], moved) < _cut_rows(sides, cut) else sides
+    # (the rows of the moved documents: those of the split alone, before it is joined to the items left in place)
+    split_rows = _horizon_rows((it.doc, it.ranges[-1][1]) for side in found[0] for it in side)
+    if missed or split_rows < _cut_rows(sides, cut):
+        return _joined(fixed, found[0], moved)
+    return sides
 
 
 def _reopenings(items: _Items, sides: List[_Items], cut: Sequence[int], rooms: Tuple[int, int],
                 targets: Tuple[float, float], slack: float, config: PlacementConfig, cap: Optional[int] = None,
-                count: int = 1) -> Tuple[List[List[_Items]], np.ndarray]:
-    """``_reopened``'s search: up to ``count`` splits (``_exhaustive_bisections``, of distinct kinds: which item
-    is cut and where each free item heavier than the ``slack`` goes), and the documents it moves."""
+                count: int = 1) -> Tuple[List[List[List[_Item]]], List[_Items], Set[int]]:
+    """``_reopened``'s search: up to ``count`` splits of the items it frees (``_exhaustive_bisections``, of distinct
+    kinds: which item is cut and where each free item heavier than the ``slack`` goes), the items each side keeps in
+    place, and the documents it moves (``_joined`` makes a split whole sides)."""
     # The heaviest uncut items of both sides, by decreasing area (ties: left side first, then position).
-    uncut = [np.flatnonzero(~_among(side.doc, cut)) for side in sides]
+    uncut = [(~_among(side.doc, cut)).nonzero()[0] for side in sides]
     heaviest = min(config.heaviest, config.reopened) - len(cut)
     chosen: List[Tuple[int, int]] = []
     if heaviest > 0:
@@ -1076,39 +1174,45 @@ def _reopenings(items: _Items, sides: List[_Items], cut: Sequence[int], rooms: T
     # Per side, its other uncut items by increasing length (ties in the side's order): the first `wanted` can move.
     shortest = []
     for s, (side, u) in enumerate(zip(sides, uncut)):
-        u = np.setdiff1d(u, [k for t, k in chosen if t == s], assume_unique=True)
+        u = u[~_among(u, [k for t, k in chosen if t == s])]
         shortest.append(u[_shortest(side.length[u], wanted)].tolist())
     alternate = [(s, k) for pair in zip_longest(*shortest) for s, k in zip((0, 1), pair) if k is not None][:wanted]
-    free = [items.item(k) for k in np.flatnonzero(_among(items.doc, cut)).tolist()]
+    free = [items.item(k) for k in _among(items.doc, cut).nonzero()[0].tolist()]
     free += [sides[s].item(k) for s, k in chosen + alternate]
-    moved = np.array(sorted(it.doc for it in free), dtype=np.int64)
-    fixed = [side.take(np.flatnonzero(~_among(side.doc, moved))) for side in sides]
-    found = _exhaustive_bisections(free, tuple(r - int(f.length.sum()) for r, f in zip(rooms, fixed)),
+    moved = {it.doc for it in free}
+    fixed = [side.take((~_among(side.doc, moved)).nonzero()[0]) for side in sides]
+    found = _exhaustive_bisections(free, tuple(r - int(np.add.reduce(f.length)) for r, f in zip(rooms, fixed)),
                                    tuple(t - f.total_area() for t, f in zip(targets, fixed)), slack,
                                    config.visits * count, cap, count, [it.doc for it in free if it.area > slack])
-    joined = []
-    for split in found:
-        joined.append([])
-        for f, side in zip(fixed, split):
-            side = _Items.of(side)
-            joined[-1].append(_concat([f, side], {**{d: r for d, r in f.pieces.items() if d not in moved},
-                                                  **side.pieces}))
-    return joined, moved
+    return found, fixed, moved
+
+
+def _joined(fixed: List[_Items], split: List[List[_Item]], moved: Set[int]) -> List[_Items]:
+    """A split of ``_reopenings`` as whole sides: each side's items kept in place (``fixed``), then its part of the
+    split (the documents ``moved``)."""
+    sides = []
+    for f, side in zip(fixed, split):
+        side = _Items.of(side)
+        sides.append(_concat([f, side], {**{d: r for d, r in f.pieces.items() if d not in moved}, **side.pieces}))
+    return sides
 
 
 def _shortest(lengths: np.ndarray, count: int) -> np.ndarray:
     """Indices of the ``count`` smallest of ``lengths`` in (length, index) order (a stable sort's first ``count``),
     without sorting them all."""
+    if len(lengths) <= _SCANNED:  # (few: one Python sort, stable)
+        values = lengths.tolist()
+        return np.array(sorted(range(len(values)), key=values.__getitem__)[:max(count, 0)], dtype=np.int64)
     if count >= len(lengths):
-        return np.argsort(lengths, kind="stable")
+        return lengths.argsort(kind="stable")
     if count <= 0:
         return np.zeros(0, dtype=np.int64)
     bar = np.partition(lengths, count - 1)[count - 1]
     # Every index below the bar, then the first ones at it: the `count` smallest, ties by index.
     chosen = np.flatnonzero(lengths <= bar)
     below = lengths[chosen] < bar
-    chosen = np.concatenate([chosen[below], chosen[~below][:count - int(below.sum())]])
-    return chosen[np.argsort(lengths[chosen], kind="stable")]
+    chosen = np.concatenate([chosen[below], chosen[~below][:count - np.count_nonzero(below)]])
+    return chosen[lengths[chosen].argsort(kind="stable")]
 
 
 class _Stream:
@@ -1121,10 +1225,8 @@ class _Stream:
         self.items = items.by_density()
         n = len(self.items)
         self.lengths, self.tok, self.pre = self.items.length.tolist(), [0] * (n + 1), [0] * (n + 1)
-        self.tok[1:], self.pre[1:] = np.cumsum(self.items.length).tolist(), np.cumsum(self.items.area).tolist()
-        pieces = self.items.pieces
-        self.ranged = {k: self.items.item(k) for k in np.flatnonzero(_among(self.items.doc, pieces)).tolist()
-                       } if pieces else {}
+        self.tok[1:], self.pre[1:] = self.items.length.cumsum().tolist(), self.items.area.cumsum().tolist()
+        self.ranged = {k: _Item(d, ranges) for k, d, ranges in self.items.ranged()}
         self.i, self.r, self.rest = 0, n, {}
         self.owner = np.full(n, -1, dtype=np.int64)
         self.pieces: List[List[_Item]] = [[] for _ in range(bins)]
@@ -1138,8 +1240,17 @@ class _Stream:
 
     def head(self, k: int, tau: int) -> int:
         """Area of the first ``tau`` tokens of item ``k`` as it is now."""
+        return self.heads(k)(tau)
+
+    def heads(self, k: int) -> Callable[[int], int]:
+        """``head(k, .)``, for the many calls of one search."""
         it = self.rest.get(k) or self.ranged.get(k)
-        return tau * (tau + 1) // 2 if it is None else it.area_before(tau)
+        return _first_tokens_area if it is None else it.area_before
+
+    def front_area(self) -> Callable[[int], int]:
+        """``front(.)[0]``, for the many calls of one search: the heads of the front item while they stay in it."""
+        size, heads, front = self.length(self.i), self.heads(self.i), self.front
+        return lambda f: heads(f) if f < size else front(f)[0]
 
     def span(self, a: int, b: int) -> Tuple[int, int]:
         """Tokens and area of items ``a .. b - 1`` as they are now."""
@@ -1194,10 +1305,11 @@ class _Stream:
         if self.i >= self.r:
             return False
         r, lo = self.r, self.back_fits(cap)
+        span, front_area = self.span, self.front_area()
 
         def area(e: int) -> int:  # back items e .. r - 1, the rest from the front
-            tokens, back = self.span(e, r)
-            return back + self.front(cap - tokens)[0]
+            tokens, back = span(e, r)
+            return back + front_area(cap - tokens)
 
         if area(lo) > need:
             return self.fill_cutting(b, cap, need, lo - 1, short)  # the item that does not fit whole
@@ -1232,8 +1344,10 @@ class _Stream:
         whole_tokens, whole = self.span(c + 1, r)
         most = min(self.length(c) - 1, cap - whole_tokens)
 
+        heads, front_area = self.heads(c), self.front_area()
+
         def area(head: int) -> int:
-            return whole + self.head(c, head) + self.front(cap - whole_tokens - head)[0]
+            return whole + heads(head) + front_area(cap - whole_tokens - head)
 
         if most < 1 or area(most) > need:
             return False
@@ -1253,18 +1367,23 @@ class _Stream:
         return True
 
     def bins(self) -> List[_Items]:
-        """What each bin received."""
-        n, counts = len(self.owner), np.bincount(self.owner + 1, minlength=len(self.pieces) + 1)[1:]
-        index = np.argsort(self.owner, kind="stable")[n - int(counts.sum()):]
-        out, at = [], 0
-        for count, extra in zip(counts.tolist(), self.pieces):
-            part = self.items.take(index[at:at + count])
-            at += count
-            if extra:
-                part = _Items(*(np.concatenate([getattr(part, f), [getattr(p, f) for p in extra]])
-                                for f in ("doc", "length", "area")),
-                              {**self.items.pieces, **{p.doc: p.ranges for p in extra}})
-            out.append(part)
+        """What each bin received: its items given whole (in density order), then its pieces; the columns of all
+        bins made at once, each bin's a slice of them."""
+        sizes = [len(pieces) for pieces in self.pieces]
+        whole = np.bincount(self.owner + 1, minlength=len(sizes) + 1)[1:].tolist()
+        index = self.owner.argsort(kind="stable")[len(self.owner) - sum(whole):]
+        extra = [p for pieces in self.pieces for p in pieces]
+        of_bin = np.concatenate([self.owner[index], [b for b, size in enumerate(sizes) for _ in range(size)]])
+        order = of_bin.argsort(kind="stable")  # per bin, its whole items first
+        doc, length, area = (np.concatenate([getattr(self.items, f)[index],
+                                             np.array([getattr(p, f) for p in extra], dtype=np.int64)])[order]
+                             for f in ("doc", "length", "area"))
+        out, lo = [], 0
+        for count, size, pieces in zip(whole, sizes, self.pieces):
+            hi = lo + count + size
+            ranges = {**self.items.pieces, **{p.doc: p.ranges for p in pieces}} if pieces else self.items.pieces
+            out.append(_Items(doc[lo:hi], length[lo:hi], area[lo:hi], ranges))
+            lo = hi
         return out
 
 
@@ -1297,7 +1416,7 @@ def _shared(items: _Items, caps: Sequence[int], targets: Sequence[float],
             return None
     stream.take(len(caps) - 1, stream.i, stream.r)
     out = stream.bins()
-    within = all(abs(part.total_area() - t) <= _pairs_slack(config.slack, (t,)) for part, t in zip(out, targets))
+    within = all(abs(area - t) <= _pairs_slack(config.slack, (t,)) for area, t in zip(_total_areas(out), targets))
     return out if within else None
 
 
@@ -1442,8 +1561,9 @@ def _lookahead(items: _Items, sides: List[_Items], halves: Tuple[list, list], ro
     candidates = [_bisect_items(items, rooms, wanted, True, config, slack, cap=int(fraction * longest))
                   for fraction in (config.lookahead if shorter else ())]
     if config.alternatives and len(cut) <= config.reopened - 2:
-        candidates += _reopenings(items, sides, cut.tolist(), rooms, wanted, pairs, config,
-                                  count=config.alternatives)[0]
+        found, fixed, moved = _reopenings(items, sides, cut.tolist(), rooms, wanted, pairs, config,
+                                          count=config.alternatives)
+        candidates += [_joined(fixed, split, moved) for split in found]
     for candidate in candidates:
         if max(abs(side.total_area() - w) for side, w in zip(candidate, wanted)) > allowed:
             continue
@@ -1579,7 +1699,7 @@ def sequence_aware_table(doc_lengths: Sequence[int], *, ring_size: int, ulysses_
     best, memo = None, {}
     for slack in _node_slacks(config, len(nodes), min(ring_members_per_node, ring_size)):
         members = _split(docs, nodes, caps, targets, config, slack, memo)
-        worst = max((items.total_area() / t for items, t in zip(members, targets) if t > 0), default=1.0)
+        worst = max((area / t for area, t in zip(_total_areas(members), targets) if t > 0), default=1.0)
         if best is None or worst < best[0]:
             best = (worst, members)
         if worst <= config.attention_target:
@@ -1592,23 +1712,44 @@ def sequence_aware_table(doc_lengths: Sequence[int], *, ring_size: int, ulysses_
     ranges = {}  # row in `doc` -> ranges of an item cut above
     orders, first = [], 0
     for items in members:
-        orders.append(np.argsort(items.doc) + first)  # (per member: one sort of many small ones is slower)
-        if items.pieces:
-            for k in np.flatnonzero(_among(items.doc, items.pieces)).tolist():
-                ranges[first + k] = items.pieces[int(items.doc[k])]
+        if len(doc) > _ONE_SORT:
+            orders.append(np.argsort(items.doc) + first)
+        for k, _, item_ranges in items.ranged():
+            ranges[first + k] = item_ranges
         first += len(items)
-    order = np.concatenate(orders)
+    # By member, then document: one sort of (member, document) keys for few items, else one sort per member.
+    order = np.concatenate(orders) if orders else np.argsort(member * len(lengths) + doc, kind="stable")
     member, doc, start, end = member[order], doc[order], np.zeros(len(doc), dtype=np.int64), length[order]
     if ranges:  # a row per range
-        at = np.flatnonzero(np.isin(order, list(ranges)))
+        ranged = np.zeros(len(doc), dtype=bool)
+        ranged[list(ranges)] = True
+        at = np.flatnonzero(ranged[order])
         cut = [ranges[k] for k in order[at].tolist()]
         count = np.ones(len(doc), dtype=np.int64)
-        count[at] = [len(r) for r in cut]
+        count[at] = per_item = [len(r) for r in cut]
         first_row = np.cumsum(count) - count
         member, doc, start, end = (np.repeat(a, count) for a in (member, doc, start, end))
-        rows = np.concatenate([np.arange(f, f + len(r)) for f, r in zip(first_row[at].tolist(), cut)])
+        # The rows of the cut items' ranges: each item's first row, then the next ones.
+        within = np.arange(sum(per_item)) - np.repeat(np.cumsum(per_item) - per_item, per_item)
+        rows = np.repeat(first_row[at], per_item) + within
         start[rows], end[rows] = np.array([r for rs in cut for r in rs], dtype=np.int64).T
     return split_streams(member, doc, start, end, ulysses_size, tokens_per_rank)
+
+
+#: Items of all members at most this many are put in stream order with one sort (``sequence_aware_table``), more with
+#: one sort per member (one sort of many keys is slower than many small ones, of few keys much faster): a speed
+#: threshold, the order is the same.
+_ONE_SORT = 8192
+
+
+def _total_areas(groups: Sequence[_Items]) -> List[int]:
+    """``[g.total_area() for g in groups]`` from one cumulative sum (exact: int64), without a numpy call per group."""
+    sizes = np.array([len(g) for g in groups], dtype=np.int64)
+    prefix = np.zeros(int(sizes.sum()) + 1, dtype=np.int64)
+    if len(prefix) > 1:
+        np.concatenate([g.area for g in groups]).cumsum(out=prefix[1:])
+    ends = sizes.cumsum()
+    return (prefix[ends] - prefix[ends - sizes]).tolist()
 
 
 def _checked_lengths(doc_lengths: Sequence[int]) -> np.ndarray:
