@@ -51,7 +51,6 @@ import bisect
 import dataclasses
 import functools
 import math
-from collections import Counter
 from itertools import chain, zip_longest
 from operator import attrgetter
 from typing import Callable, Collection, Dict, Iterable, Iterator, List, Optional, Sequence, Set, Tuple, Union
