@@ -1057,9 +1057,12 @@ def _reopened(items: _Items, sides: List[_Items], cut: List[int], rooms: Tuple[i
 
 def _reopenings(items: _Items, sides: List[_Items], cut: Sequence[int], rooms: Tuple[int, int],
                 targets: Tuple[float, float], slack: float, config: PlacementConfig, cap: Optional[int] = None,
-                count: int = 1) -> Tuple[List[List[_Items]], np.ndarray]:
+                count: int = 1, head_cuts: bool = False) -> Tuple[List[List[_Items]], np.ndarray]:
     """``_reopened``'s search: up to ``count`` splits (``_exhaustive_bisections``, of distinct kinds: which item
-    is cut and where each free item heavier than the ``slack`` goes), and the documents it moves."""
+    is cut and where each free item heavier than the ``slack`` goes), and the documents it moves. ``head_cuts``:
+    also, for each of the ``config.head_cut_items`` longest free items and each fraction ``f`` of
+    ``config.head_cuts``, its head of ``f`` x its length on either side and its rest on the other (a second cut),
+    the other free items searched the same way (``_lookahead`` weighs them with the levels below)."""
     # The heaviest uncut items of both sides, by decreasing area (ties: left side first, then position).
     uncut = [np.flatnonzero(~_among(side.doc, cut)) for side in sides]
     heaviest = min(config.heaviest, config.reopened) - len(cut)
@@ -1081,16 +1084,33 @@ def _reopenings(items: _Items, sides: List[_Items], cut: Sequence[int], rooms: T
     free += [sides[s].item(k) for s, k in chosen + alternate]
     moved = np.array(sorted(it.doc for it in free), dtype=np.int64)
     fixed = [side.take(np.flatnonzero(~_among(side.doc, moved))) for side in sides]
-    found = _exhaustive_bisections(free, tuple(r - int(f.length.sum()) for r, f in zip(rooms, fixed)),
-                                   tuple(t - f.total_area() for t, f in zip(targets, fixed)), slack,
-                                   config.visits * count, cap, count, [it.doc for it in free if it.area > slack])
+    fixed = [_Items(f.doc, f.length, f.area, {d: r for d, r in f.pieces.items() if d not in moved}) for f in fixed]
+    # (free items, what each side holds besides them): the search as it was, then with a second cut fixed.
+    searches: List[Tuple[List[_Item], List[_Items]]] = [(free, fixed)]
+    if head_cuts:
+        for c in sorted(free, key=lambda it: (-it.length, it.doc))[:config.head_cut_items]:
+            rest = [it for it in free if it is not c]
+            for fraction in config.head_cuts:
+                h = int(fraction * c.length)
+                if not 0 < h < c.length:
+                    continue
+                for side in (0, 1):
+                    parts = ([c.sub(0, h)], [c.sub(h, c.length)])[::1 if side == 0 else -1]
+                    searches.append((rest, [_concat([f, _Items.of(p)], {**f.pieces, **_Items.of(p).pieces})
+                                            for f, p in zip(fixed, parts)]))
     joined = []
-    for split in found:
-        joined.append([])
-        for f, side in zip(fixed, split):
-            side = _Items.of(side)
-            joined[-1].append(_concat([f, side], {**{d: r for d, r in f.pieces.items() if d not in moved},
-                                                  **side.pieces}))
+    for free, fixed in searches:
+        room = tuple(r - int(f.length.sum()) for r, f in zip(rooms, fixed))
+        if min(room) < 0:
+            continue
+        found = _exhaustive_bisections(free, room, tuple(t - f.total_area() for t, f in zip(targets, fixed)),
+                                       slack, config.visits * count, cap, count,
+                                       [it.doc for it in free if it.area > slack])
+        for split in found:
+            joined.append([])
+            for f, side in zip(fixed, split):
+                side = _Items.of(side)
+                joined[-1].append(_concat([f, side], {**f.pieces, **side.pieces}))
     return joined, moved
 
 
@@ -1343,7 +1363,8 @@ def _split(items: Union[_Items, Sequence[_Item]], groups: list, caps: Sequence[i
         slack = _node_slack(budget, levels, config.slack)
     elif between_nodes:
         slack = node_slack
-    ahead = between_nodes and _depth(len(groups)) == 2 and bool(config.lookahead or config.alternatives)
+    ahead = (between_nodes and _depth(len(groups)) == 2
+             and bool(config.lookahead or config.alternatives or config.head_cuts))
     records = memo.setdefault((tuple(leaves[0]), tuple(leaves[1])), []) if memo is not None else []
     for seen in records:
         if (seen[1] == wanted and (seen[2] == slack or not seen[3]) and seen[5] in (None, budget)
@@ -1424,9 +1445,9 @@ def _lookahead(items: _Items, sides: List[_Items], halves: Tuple[list, list], ro
     shorter = split[1 + holder] >= split[0] and longest >= config.lookahead_share * rooms[holder]
     candidates = [_bisect_items(items, rooms, wanted, True, config, slack, cap=int(fraction * longest))
                   for fraction in (config.lookahead if shorter else ())]
-    if config.alternatives and len(cut) <= config.reopened - 2:
+    if (config.alternatives or config.head_cuts) and len(cut) <= config.reopened - 2:
         candidates += _reopenings(items, sides, cut.tolist(), rooms, wanted, pairs, config,
-                                  count=config.alternatives)[0]
+                                  count=max(1, config.alternatives), head_cuts=bool(config.head_cuts))[0]
     for candidate in candidates:
         if max(abs(side.total_area() - w) for side, w in zip(candidate, wanted)) > allowed:
             continue
@@ -1555,7 +1576,7 @@ def sequence_aware_table(doc_lengths: Sequence[int], *, ring_size: int, ulysses_
     nodes = [list(range(m, min(m + ring_members_per_node, ring_size)))
              for m in range(0, ring_size, ring_members_per_node)]
     if len(nodes) > config.lookahead_nodes:
-        config = dataclasses.replace(config, lookahead=(), alternatives=0)
+        config = dataclasses.replace(config, lookahead=(), alternatives=0, head_cuts=())
     # Planned with the widest slack first; kept when every member's attention is within the target of its own
     # (equal targets without padding: the attention imbalance), else planned again with the next slack (when
     # none meets it, the one closest to it is kept).

@@ -81,6 +81,8 @@ class PlacementConfig:
     lookahead_share: float = 0.1
     alternatives: int = 0
     lookahead_nodes: int = 4
+    head_cuts: Tuple[float, ...] = ()
+    head_cut_items: int = 3
 
     def __post_init__(self) -> None:
         if self.balance not in BALANCES:
@@ -97,6 +99,10 @@ class PlacementConfig:
                 or not all(isinstance(f, (int, float)) and not isinstance(f, bool) and 0 < f < 1
                            for f in self.lookahead)):
             raise ValueError(f"lookahead={self.lookahead!r} must be a tuple of fractions in (0, 1)")
+        if (not isinstance(self.head_cuts, tuple)
+                or not all(isinstance(f, (int, float)) and not isinstance(f, bool) and 0 < f < 1
+                           for f in self.head_cuts)):
+            raise ValueError(f"head_cuts={self.head_cuts!r} must be a tuple of fractions in (0, 1)")
         for name in ("attention_target", "token_target"):
             if getattr(self, name) < 1.0:
                 raise ValueError(f"{name}={getattr(self, name)!r} must be >= 1.0 (a ratio to the mean)")
