@@ -653,6 +653,8 @@ def test_cuts_of_the_greedy_bisection_are_searched_again() -> None:
     (dict(slack=float("nan")), "slack"), (dict(attention_target=1.0005), "slack"),
     (dict(lookahead=[0.5]), "lookahead"), (dict(lookahead=(1.0,)), "lookahead"), (dict(lookahead=(0,)), "lookahead"),
     (dict(alternatives=-1), "alternatives"), (dict(lookahead_nodes=-1), "lookahead_nodes"),
+    (dict(head_cuts=(0.25, 1.5)), "head_cuts"), (dict(head_cuts=0.25), "head_cuts"),
+    (dict(head_cut_items=-1), "head_cut_items"),
 ])
 def test_placement_config_refuses_bad_values_naming_the_field(kwargs: dict, name: str) -> None:
     with pytest.raises(ValueError, match=name):
@@ -682,6 +684,10 @@ def _node_rows(segments: Sequence[Sequence[Tuple[int, int, int]]], ranks_per_nod
     # the same positions carries the same area): with that one cut instead, the level below cuts the 354K one
     # once (at 210K) instead of cutting its rest on one side and the 293K one on the other: 675K rows, not 934K.
     (4, 1, PlacementConfig(lookahead=()), PlacementConfig(lookahead=(), alternatives=2)),
+    # Two cuts between the halves: the 267K-token document (longer than a node) gives its head (a quarter, 67K
+    # tokens) to the half holding the 410K-token one, as sparse filler next to that one's dense tail, and its rest
+    # goes whole to one node of the other half; no split with one cut does that: 526K rows, not 815K.
+    (10, 1, PlacementConfig(), PlacementConfig(head_cuts=(0.25,))),
 ])
 def test_lookahead_weighs_the_cut_between_nodes_with_the_level_below(seed: int, members_per_node: int,
                                                                      off: PlacementConfig,

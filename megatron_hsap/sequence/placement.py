@@ -1060,9 +1060,11 @@ def _reopenings(items: _Items, sides: List[_Items], cut: Sequence[int], rooms: T
                 count: int = 1, head_cuts: bool = False) -> Tuple[List[List[_Items]], np.ndarray]:
     """``_reopened``'s search: up to ``count`` splits (``_exhaustive_bisections``, of distinct kinds: which item
     is cut and where each free item heavier than the ``slack`` goes), and the documents it moves. ``head_cuts``:
-    also, for each of the ``config.head_cut_items`` longest free items and each fraction ``f`` of
-    ``config.head_cuts``, its head of ``f`` x its length on either side and its rest on the other (a second cut),
-    the other free items searched the same way (``_lookahead`` weighs them with the levels below)."""
+    also, for each of the ``config.head_cut_items`` longest free items after the longest and each fraction ``f``
+    of ``config.head_cuts``, its head of ``f`` x its length on either side and its rest on the other (a second
+    cut: the head is sparse filler for a side whose dense pieces leave it short of tokens, and the rest can go
+    whole to one node below), the other free items searched the same way (``_lookahead`` weighs them with the
+    levels below)."""
     # The heaviest uncut items of both sides, by decreasing area (ties: left side first, then position).
     uncut = [np.flatnonzero(~_among(side.doc, cut)) for side in sides]
     heaviest = min(config.heaviest, config.reopened) - len(cut)
@@ -1088,13 +1090,13 @@ def _reopenings(items: _Items, sides: List[_Items], cut: Sequence[int], rooms: T
     # (free items, what each side holds besides them): the search as it was, then with a second cut fixed.
     searches: List[Tuple[List[_Item], List[_Items]]] = [(free, fixed)]
     if head_cuts:
-        for c in sorted(free, key=lambda it: (-it.length, it.doc))[:config.head_cut_items]:
+        for c in sorted(free, key=lambda it: (-it.length, it.doc))[1:1 + config.head_cut_items]:
             rest = [it for it in free if it is not c]
             for fraction in config.head_cuts:
                 h = int(fraction * c.length)
                 if not 0 < h < c.length:
                     continue
-                for side in (0, 1):
+                for side in (0, 1):  # the side taking its head
                     parts = ([c.sub(0, h)], [c.sub(h, c.length)])[::1 if side == 0 else -1]
                     searches.append((rest, [_concat([f, _Items.of(p)], {**f.pieces, **_Items.of(p).pieces})
                                             for f, p in zip(fixed, parts)]))
