@@ -1057,10 +1057,11 @@ def _reopened(items: _Items, sides: List[_Items], cut: List[int], rooms: Tuple[i
 
 def _reopenings(items: _Items, sides: List[_Items], cut: Sequence[int], rooms: Tuple[int, int],
                 targets: Tuple[float, float], slack: float, config: PlacementConfig, cap: Optional[int] = None,
-                count: int = 1, head_cuts: bool = False) -> Tuple[List[List[_Items]], np.ndarray]:
+                count: int = 1, head_cuts: int = 0) -> Tuple[List[List[_Items]], np.ndarray]:
     """``_reopened``'s search: up to ``count`` splits (``_exhaustive_bisections``, of distinct kinds: which item
     is cut and where each free item heavier than the ``slack`` goes), and the documents it moves. ``head_cuts``:
-    also, for each of the ``config.head_cut_items`` longest free items after the longest and each fraction ``f``
+    then, of the splits with a second cut, up to this many moving the fewest rows here (one split each search):
+    for each of the ``config.head_cut_items`` longest free items after the longest and each fraction ``f``
     of ``config.head_cuts``, its head of ``f`` x its length on either side and its rest on the other (a second
     cut: the head is sparse filler for a side whose dense pieces leave it short of tokens, and the rest can go
     whole to one node below), the other free items searched the same way (``_lookahead`` weighs them with the
@@ -1088,9 +1089,10 @@ def _reopenings(items: _Items, sides: List[_Items], cut: Sequence[int], rooms: T
     fixed = [side.take(np.flatnonzero(~_among(side.doc, moved))) for side in sides]
     fixed = [_Items(f.doc, f.length, f.area, {d: r for d, r in f.pieces.items() if d not in moved}) for f in fixed]
     # (free items, what each side holds besides them): the search as it was, then with a second cut fixed.
-    searches: List[Tuple[List[_Item], List[_Items]]] = [(free, fixed)]
+    searches: List[Tuple[List[_Item], List[_Items], Optional[int]]] = [(free, fixed, None)] if count else []
     if head_cuts:
-        for c in sorted(free, key=lambda it: (-it.length, it.doc))[1:1 + config.head_cut_items]:
+        longest, *after = sorted(free, key=lambda it: (-it.length, it.doc))
+        for c in after[:config.head_cut_items]:
             rest = [it for it in free if it is not c]
             for fraction in config.head_cuts:
                 h = int(fraction * c.length)
@@ -1099,21 +1101,27 @@ def _reopenings(items: _Items, sides: List[_Items], cut: Sequence[int], rooms: T
                 for side in (0, 1):  # the side taking its head
                     parts = ([c.sub(0, h)], [c.sub(h, c.length)])[::1 if side == 0 else -1]
                     searches.append((rest, [_concat([f, _Items.of(p)], {**f.pieces, **_Items.of(p).pieces})
-                                            for f, p in zip(fixed, parts)]))
-    joined = []
-    for free, fixed in searches:
+                                            for f, p in zip(fixed, parts)], side))
+    joined: List[List[_Items]] = []
+    seconds: List[List[_Items]] = []
+    for free, fixed, head_side in searches:
         room = tuple(r - int(f.length.sum()) for r, f in zip(rooms, fixed))
         if min(room) < 0:
             continue
+        kinds = count if head_side is None else 1
         found = _exhaustive_bisections(free, room, tuple(t - f.total_area() for t, f in zip(targets, fixed)),
-                                       slack, config.visits * count, cap, count,
+                                       slack, config.visits * kinds, cap, kinds,
                                        [it.doc for it in free if it.area > slack])
         for split in found:
-            joined.append([])
+            if head_side is not None and not any(it.doc == longest.doc and it.ranges[-1][1] == longest.ranges[-1][1]
+                                                 for it in split[head_side]):
+                continue  # the head is filler next to the longest item's tail: elsewhere it rarely paid
+            out = joined if head_side is None else seconds
+            out.append([])
             for f, side in zip(fixed, split):
                 side = _Items.of(side)
-                joined[-1].append(_concat([f, side], {**f.pieces, **side.pieces}))
-    return joined, moved
+                out[-1].append(_concat([f, side], {**f.pieces, **side.pieces}))
+    return joined + sorted(seconds, key=_cut_rows)[:head_cuts], moved
 
 
 def _shortest(lengths: np.ndarray, count: int) -> np.ndarray:
@@ -1428,16 +1436,24 @@ def _lookahead(items: _Items, sides: List[_Items], halves: Tuple[list, list], ro
     pairs = _pairs_slack(slack, wanted)
     allowed = max(pairs, max(abs(side.total_area() - w) for side, w in zip(sides, wanted)))
 
+    over = [1.0]  # the most area a node below the first split holds over its share; candidates may hold as much
+
     def rows(candidate: List[_Items], beat: float = math.inf) -> List[float]:
         """Rows of ``candidate``, then of the bisections between nodes below each side (``[inf]`` once their sum
-        reaches ``beat``)."""
+        reaches ``beat``, or where a node holds more area over its share than ``budget`` and those of ``sides``)."""
         total = [_cut_rows(candidate)]
         scaled, budgets = _rescaled(candidate, [_leaves(h) for h in halves], wanted, targets, budget)
         for side, half, side_budget in zip(candidate, halves, budgets):
             if sum(total) >= beat:
                 return [math.inf]
-            total.append(_node_rows(_split(side, half, caps, scaled, config, node_slack, memo, side_budget,
-                                           nodes_only=True)))
+            nodes = _split(side, half, caps, scaled, config, node_slack, memo, side_budget, nodes_only=True)
+            shares = [sum(targets[b] for b in _leaves(g)) for g in (half if len(nodes) > 1 else [half])]
+            worst = max((n.total_area() / t for n, t in zip(nodes, shares) if t > 0), default=1.0)
+            if beat == math.inf:
+                over[0] = max(over[0], worst, budget or 1.0)
+            elif worst > over[0]:
+                return [math.inf]
+            total.append(_node_rows(nodes))
         return total
 
     split = rows(sides)
@@ -1449,7 +1465,8 @@ def _lookahead(items: _Items, sides: List[_Items], halves: Tuple[list, list], ro
                   for fraction in (config.lookahead if shorter else ())]
     if (config.alternatives or config.head_cuts) and len(cut) <= config.reopened - 2:
         candidates += _reopenings(items, sides, cut.tolist(), rooms, wanted, pairs, config,
-                                  count=max(1, config.alternatives), head_cuts=bool(config.head_cuts))[0]
+                                  count=config.alternatives,
+                                  head_cuts=config.head_cut_splits if config.head_cuts else 0)[0]
     for candidate in candidates:
         if max(abs(side.total_area() - w) for side, w in zip(candidate, wanted)) > allowed:
             continue
