@@ -654,7 +654,8 @@ def test_cuts_of_the_greedy_bisection_are_searched_again() -> None:
     (dict(lookahead=[0.5]), "lookahead"), (dict(lookahead=(1.0,)), "lookahead"), (dict(lookahead=(0,)), "lookahead"),
     (dict(alternatives=-1), "alternatives"), (dict(lookahead_nodes=-1), "lookahead_nodes"),
     (dict(head_cuts=(0.25, 1.5)), "head_cuts"), (dict(head_cuts=0.25), "head_cuts"),
-    (dict(head_cut_items=-1), "head_cut_items"),
+    (dict(head_cut_items=-1), "head_cut_items"), (dict(head_cut_splits=1.5), "head_cut_splits"),
+    (dict(head_cut_share=-0.1), "head_cut_share"),
 ])
 def test_placement_config_refuses_bad_values_naming_the_field(kwargs: dict, name: str) -> None:
     with pytest.raises(ValueError, match=name):
@@ -679,11 +680,11 @@ def _node_rows(segments: Sequence[Sequence[Tuple[int, int, int]]], ranks_per_nod
     # below has 80K tokens left next to it for the 342K-token document's area and cuts it at 267K. A piece of at
     # most 3/4 of those tokens (130K) costs 17K rows more there and leaves that cut at 204K (the other side's at
     # 332K instead of 329K): 753K rows in all instead of 796K.
-    (2, 4, PlacementConfig(head_cuts=()), PlacementConfig(lookahead=(0.75,), head_cuts=())),
+    (2, 4, PlacementConfig(lookahead=(), head_cuts=()), PlacementConfig(head_cuts=())),
     # The first bisection cuts the 354K-token document where the 293K-token one fits the rooms alike (a piece of
     # the same positions carries the same area): with that one cut instead, the level below cuts the 354K one
     # once (at 210K) instead of cutting its rest on one side and the 293K one on the other: 675K rows, not 934K.
-    (4, 1, PlacementConfig(head_cuts=()), PlacementConfig(alternatives=2, head_cuts=())),
+    (4, 1, PlacementConfig(lookahead=(), head_cuts=()), PlacementConfig(lookahead=(), alternatives=2, head_cuts=())),
     # Two cuts between the halves: the 267K-token document (longer than a node) gives its head (a quarter, 67K
     # tokens) to the half holding the 410K-token one, as sparse filler next to that one's dense tail, and its rest
     # goes whole to one node of the other half; no split with one cut does that: 526K rows, not 815K.
@@ -731,8 +732,8 @@ def test_lookahead_runs_on_at_most_lookahead_nodes() -> None:
     lengths = _heavy_tailed(10)
     per_rank = -(-sum(lengths) // 8)
     plans = {}
-    for name, config in (("default", PlacementConfig()), ("off", PlacementConfig(head_cuts=())),
-                         ("eight", PlacementConfig(lookahead=(0.75,), head_cuts=(), lookahead_nodes=8))):
+    for name, config in (("default", PlacementConfig()), ("off", PlacementConfig(lookahead=(), head_cuts=())),
+                         ("eight", PlacementConfig(head_cuts=(), lookahead_nodes=8))):
         segments = sequence_aware_placement(lengths, ring_size=8, ulysses_size=1, ring_members_per_node=1,
                                             tokens_per_rank=per_rank, placement=config)
         check_layout(segments, lengths, per_rank)

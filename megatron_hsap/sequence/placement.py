@@ -1093,6 +1093,8 @@ def _reopenings(items: _Items, sides: List[_Items], cut: Sequence[int], rooms: T
     if head_cuts:
         longest, *after = sorted(free, key=lambda it: (-it.length, it.doc))
         for c in after[:config.head_cut_items]:
+            if c.length < config.head_cut_share * min(rooms):
+                break  # a head too short to fill what a node's dense pieces leave: it rarely paid its planning time
             rest = [it for it in free if it is not c]
             for fraction in config.head_cuts:
                 h = int(fraction * c.length)
@@ -1458,23 +1460,31 @@ def _lookahead(items: _Items, sides: List[_Items], halves: Tuple[list, list], ro
 
     split = rows(sides)
     best = (sum(split), sides)
+    def weigh(candidates: List[List[_Items]]) -> None:
+        nonlocal best
+        for candidate in candidates:
+            if max(abs(side.total_area() - w) for side, w in zip(candidate, wanted)) > allowed:
+                continue
+            if all(_same_items(a, b) for a, b in zip(candidate, sides)):
+                continue
+            cost = sum(rows(candidate, best[0]))
+            if cost < best[0]:
+                best = (cost, candidate)
+
+    # A second cut (a head as sparse filler) answers the same want of room as a shorter piece below: weighed first,
+    # and the shorter pieces only where no second cut moved fewer rows (each costs its levels below).
+    reopen = len(cut) <= config.reopened - 2
+    if config.head_cuts and reopen:
+        weigh(_reopenings(items, sides, cut.tolist(), rooms, wanted, pairs, config, count=0,
+                          head_cuts=config.head_cut_splits)[0])
     # A shorter piece costs rows here and can only pay below it, on its side: tried where that side's level below
     # moves at least as many rows as this bisection and the piece holds a share of the side's tokens.
     shorter = split[1 + holder] >= split[0] and longest >= config.lookahead_share * rooms[holder]
-    candidates = [_bisect_items(items, rooms, wanted, True, config, slack, cap=int(fraction * longest))
-                  for fraction in (config.lookahead if shorter else ())]
-    if (config.alternatives or config.head_cuts) and len(cut) <= config.reopened - 2:
-        candidates += _reopenings(items, sides, cut.tolist(), rooms, wanted, pairs, config,
-                                  count=config.alternatives,
-                                  head_cuts=config.head_cut_splits if config.head_cuts else 0)[0]
-    for candidate in candidates:
-        if max(abs(side.total_area() - w) for side, w in zip(candidate, wanted)) > allowed:
-            continue
-        if all(_same_items(a, b) for a, b in zip(candidate, sides)):
-            continue
-        cost = sum(rows(candidate, best[0]))
-        if cost < best[0]:
-            best = (cost, candidate)
+    if best[1] is sides:
+        weigh([_bisect_items(items, rooms, wanted, True, config, slack, cap=int(fraction * longest))
+               for fraction in (config.lookahead if shorter else ())])
+    if config.alternatives and reopen:
+        weigh(_reopenings(items, sides, cut.tolist(), rooms, wanted, pairs, config, count=config.alternatives)[0])
     return best[1]
 
 

@@ -82,13 +82,14 @@ class PlacementConfig:
     visits: int = 32
     reopened: int = 8
     heaviest: int = 6
-    lookahead: Tuple[float, ...] = ()
+    lookahead: Tuple[float, ...] = (0.75,)
     lookahead_share: float = 0.1
     alternatives: int = 0
     lookahead_nodes: int = 4
     head_cuts: Tuple[float, ...] = (0.25,)
     head_cut_items: int = 2
     head_cut_splits: int = 2
+    head_cut_share: float = 0.2
 
     def __post_init__(self) -> None:
         if self.balance not in BALANCES:
