@@ -59,11 +59,13 @@ class PlacementConfig:
     fewest rows together with the bisections between nodes below it is kept (each candidate costs about three
     bisections between nodes; ``()`` and 0: off). lookahead_nodes: both run only in placements over at most this
     many nodes (at 8 nodes they moved as many rows on nearly every batch and cost planning time).
-    head_cuts / head_cut_items: step 6 also weighs splits with a second cut: of step 5's free items, each of the
-    ``head_cut_items`` longest after the longest gives its head of each fraction of ``head_cuts`` times its length
-    to either side and its rest to the other, and the other free items are searched as in step 5 (one cut more);
-    off by default (``()``): it reaches 0.20 x the TE ring on the bimodal pure rings of 4 nodes but costs each
-    such plan about 4 candidates' levels below, past the 10 ms planning target (docs/sequence_aware.md, step 6).
+    head_cuts / head_cut_items / head_cut_share / head_cut_splits: step 6 first weighs splits with a second cut:
+    of step 5's free items, each of the ``head_cut_items`` longest after the longest (of at least ``head_cut_share``
+    of the smaller side's tokens) gives its head of each fraction of ``head_cuts`` times its length to either side
+    and its rest to the other, the other free items searched as in step 5; of those whose head's side holds the
+    longest item's last token, the ``head_cut_splits`` moving the fewest rows here are weighed with the levels
+    below, and the shorter pieces of ``lookahead`` only where none of them won (``()``: off). Step 6 keeps only
+    candidates whose nodes below hold no more over their share than the budget or the first split's.
     docs/sequence_aware.md quotes the tools/plan_report.py runs behind these choices.
     """
 
