@@ -1088,8 +1088,20 @@ def _reopenings(items: _Items, sides: List[_Items], cut: Sequence[int], rooms: T
     moved = np.array(sorted(it.doc for it in free), dtype=np.int64)
     fixed = [side.take(np.flatnonzero(~_among(side.doc, moved))) for side in sides]
     fixed = [_Items(f.doc, f.length, f.area, {d: r for d, r in f.pieces.items() if d not in moved}) for f in fixed]
-    # (free items, what each side holds besides them): the search as it was, then with a second cut fixed.
-    searches: List[Tuple[List[_Item], List[_Items], Optional[int]]] = [(free, fixed, None)] if count else []
+    held = [(int(f.length.sum()), f.total_area()) for f in fixed]  # what each side holds besides the free items
+
+    def search(free: List[_Item], parts: Sequence[Sequence[_Item]], kinds: int) -> List[List[List[_Item]]]:
+        """Splits of ``free`` with ``parts`` (per side) fixed besides what the sides hold."""
+        room = tuple(r - t - sum(it.length for it in p) for r, (t, _), p in zip(rooms, held, parts))
+        if min(room) < 0:
+            return []
+        wanted = tuple(w - a - sum(it.area for it in p) for w, (_, a), p in zip(targets, held, parts))
+        return _exhaustive_bisections(free, room, wanted, slack, config.visits * kinds, cap, kinds,
+                                      [it.doc for it in free if it.area > slack])
+
+    # The search as it was, then with a second cut fixed: (rows here, the split with its parts).
+    splits = [(0, [split, ((), ())]) for split in search(free, ((), ()), count)] if count else []
+    seconds = []
     if head_cuts:
         longest, *after = sorted(free, key=lambda it: (-it.length, it.doc))
         for c in after[:config.head_cut_items]:
@@ -1101,29 +1113,19 @@ def _reopenings(items: _Items, sides: List[_Items], cut: Sequence[int], rooms: T
                 if not 0 < h < c.length:
                     continue
                 for side in (0, 1):  # the side taking its head
-                    parts = ([c.sub(0, h)], [c.sub(h, c.length)])[::1 if side == 0 else -1]
-                    searches.append((rest, [_concat([f, _Items.of(p)], {**f.pieces, **_Items.of(p).pieces})
-                                            for f, p in zip(fixed, parts)], side))
-    joined: List[List[_Items]] = []
-    seconds: List[List[_Items]] = []
-    for free, fixed, head_side in searches:
-        room = tuple(r - int(f.length.sum()) for r, f in zip(rooms, fixed))
-        if min(room) < 0:
-            continue
-        kinds = count if head_side is None else 1
-        found = _exhaustive_bisections(free, room, tuple(t - f.total_area() for t, f in zip(targets, fixed)),
-                                       slack, config.visits * kinds, cap, kinds,
-                                       [it.doc for it in free if it.area > slack])
-        for split in found:
-            if head_side is not None and not any(it.doc == longest.doc and it.ranges[-1][1] == longest.ranges[-1][1]
-                                                 for it in split[head_side]):
-                continue  # the head is filler next to the longest item's tail: elsewhere it rarely paid
-            out = joined if head_side is None else seconds
-            out.append([])
-            for f, side in zip(fixed, split):
-                side = _Items.of(side)
-                out[-1].append(_concat([f, side], {**f.pieces, **side.pieces}))
-    return joined + sorted(seconds, key=_cut_rows)[:head_cuts], moved
+                    parts = ((c.sub(0, h),), (c.sub(h, c.length),))[::1 if side == 0 else -1]
+                    for split in search(rest, parts, 1):
+                        # The head is filler next to the longest item's tail: elsewhere it rarely paid.
+                        if any(it.doc == longest.doc and it.ranges[-1][1] == longest.ranges[-1][1]
+                               for it in split[side]):
+                            seconds.append((h + _cut_rows(split), [split, parts]))
+    joined = []
+    for _, (split, parts) in splits + sorted(seconds, key=lambda s: s[0])[:head_cuts]:
+        joined.append([])
+        for f, side, p in zip(fixed, split, parts):
+            side = _Items.of(list(p) + side)
+            joined[-1].append(_concat([f, side], {**f.pieces, **side.pieces}))
+    return joined, moved
 
 
 def _shortest(lengths: np.ndarray, count: int) -> np.ndarray:
