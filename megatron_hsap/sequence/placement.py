@@ -35,9 +35,10 @@ ranks. docs/sequence_aware.md has the full argument; in short, one bisection:
    steps cut is searched again the same way over the documents they cut, the heaviest and the
    shortest items (``_reopened``), kept when it moves fewer rows.
 6. Between 3 or 4 nodes a bisection that cut a document is weighed with the bisections between nodes below it:
-   the same bisection with shorter pieces for the sides without the cut documents' last tokens, and other
-   splits of step 5's search, are planned down to single nodes and the one moving the fewest rows in all is
-   kept (``_lookahead``).
+   splits with a second cut (a long document's head as sparse filler on one side, its rest on the other), the
+   same bisection with shorter pieces for the sides without the cut documents' last tokens, and other splits of
+   step 5's search, are planned down to single nodes and the one moving the fewest rows in all is kept
+   (``_lookahead``).
 
 A bisection's items are numpy arrays (``_Items``: one row per document; only pieces of cut documents carry ranges)
 and the steps over many items are numpy operations, with the per-item rules' results exactly (docs/sequence_aware.md,
@@ -1420,17 +1421,21 @@ def _lookahead(items: _Items, sides: List[_Items], halves: Tuple[list, list], ro
                node_slack: float, memo: Optional[dict], budget: Optional[float], slack: float) -> List[_Items]:
     """The bisection between two groups of nodes (3 or 4 nodes in all) that moves the fewest rows together with
     the bisections between nodes below it, among ``sides`` (which cut one document or more, ``cut``) and candidates
-    within its slack: the same bisection with the piece each heavy cut gives the side without the document's last
-    token held to ``fraction`` x the longest such piece of ``sides`` (one candidate per fraction of
-    ``config.lookahead``), and the ``config.alternatives`` cheapest splits of ``_reopened``'s search of distinct
+    within its slack whose nodes below hold no more area over their share than the budget or those of ``sides``:
+    splits with a second cut (``_reopenings``' ``head_cuts``: a long item's head on one side, its rest on the
+    other), then, where none of them won, the same bisection with the piece each heavy cut gives the side without
+    the document's last token held to ``fraction`` x the longest such piece of ``sides`` (one candidate per fraction
+    of ``config.lookahead``), and the ``config.alternatives`` cheapest splits of ``_reopened``'s search of distinct
     kinds (which item is cut, which side the heavy ones take).
 
     ``sides`` cuts at the fewest rows *of this bisection*. That can be a long, sparse piece taking most of a
     side's tokens, so that the level below has little room to take the area of the side's other documents off
     the node holding their last token and cuts them at high horizons; a shorter, denser piece costs a few rows
     here and leaves that room. Or the cut document, of two that fit the rooms alike (pieces of equal positions
-    carry equal area whatever the document), is the one whose rest the level below must cut again
-    (docs/sequence_aware.md, "Recursive bisection", step 6)."""
+    carry equal area whatever the document), is the one whose rest the level below must cut again. Or the side
+    holding the longest document's dense tail needs sparse tokens beside it, which the head of another long document
+    gives (a second cut here), its rest going whole to one node below (docs/sequence_aware.md, "Recursive
+    bisection", step 6)."""
     cut = np.intersect1d(sides[0].doc, sides[1].doc, assume_unique=True)  # (one item per document on a side)
     at = [_among(side.doc, cut) for side in sides]
     ends = [dict(zip(side.doc[a].tolist(), zip(side.ends()[a].tolist(), side.length[a].tolist())))
@@ -1462,6 +1467,7 @@ def _lookahead(items: _Items, sides: List[_Items], halves: Tuple[list, list], ro
 
     split = rows(sides)
     best = (sum(split), sides)
+
     def weigh(candidates: List[List[_Items]]) -> None:
         nonlocal best
         for candidate in candidates:
