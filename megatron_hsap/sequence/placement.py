@@ -1105,6 +1105,9 @@ def _reopenings(items: _Items, sides: List[_Items], cut: Sequence[int], rooms: T
     seconds = []
     if head_cuts:
         longest, *after = sorted(free, key=lambda it: (-it.length, it.doc))
+        # The side holding the longest item's last token: the head goes there (the rest to the other side).
+        ends = [side.ends()[side.doc == longest.doc] for side in sides]
+        tail = 0 if len(ends[0]) and (not len(ends[1]) or ends[0].max() > ends[1].max()) else 1
         for c in after[:config.head_cut_items]:
             if c.length < config.head_cut_share * min(rooms):
                 break  # a head too short to fill what a node's dense pieces leave: it rarely paid its planning time
@@ -1113,13 +1116,11 @@ def _reopenings(items: _Items, sides: List[_Items], cut: Sequence[int], rooms: T
                 h = int(fraction * c.length)
                 if not 0 < h < c.length:
                     continue
-                for side in (0, 1):  # the side taking its head
-                    parts = ((c.sub(0, h),), (c.sub(h, c.length),))[::1 if side == 0 else -1]
-                    for split in search(rest, parts, 1):
-                        # The head is filler next to the longest item's tail: elsewhere it rarely paid.
-                        if any(it.doc == longest.doc and it.ranges[-1][1] == longest.ranges[-1][1]
-                               for it in split[side]):
-                            seconds.append((h + _cut_rows(split), [split, parts]))
+                parts = ((c.sub(0, h),), (c.sub(h, c.length),))[::1 if tail == 0 else -1]
+                for split in search(rest, parts, 1):
+                    # The head is filler next to the longest item's tail: elsewhere it rarely paid.
+                    if any(it.doc == longest.doc and it.ranges[-1][1] == longest.ranges[-1][1] for it in split[tail]):
+                        seconds.append((h + _cut_rows(split), [split, parts]))
     joined = []
     for _, (split, parts) in splits + sorted(seconds, key=lambda s: s[0])[:head_cuts]:
         joined.append([])
