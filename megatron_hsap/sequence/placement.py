@@ -1062,11 +1062,12 @@ def _reopenings(items: _Items, sides: List[_Items], cut: Sequence[int], rooms: T
     """``_reopened``'s search: up to ``count`` splits (``_exhaustive_bisections``, of distinct kinds: which item
     is cut and where each free item heavier than the ``slack`` goes), and the documents it moves. ``head_cuts``:
     then, of the splits with a second cut, up to this many moving the fewest rows here (one split each search):
-    for each of the ``config.head_cut_items`` longest free items after the longest and each fraction ``f``
-    of ``config.head_cuts``, its head of ``f`` x its length on either side and its rest on the other (a second
-    cut: the head is sparse filler for a side whose dense pieces leave it short of tokens, and the rest can go
-    whole to one node below), the other free items searched the same way (``_lookahead`` weighs them with the
-    levels below)."""
+    for each of the ``config.head_cut_items`` longest free items after the longest (of at least
+    ``config.head_cut_share`` of the smaller side's tokens) and each fraction ``f`` of ``config.head_cuts``, its
+    head of ``f`` x its length on the side holding the longest item's last token and its rest on the other (a second
+    cut: the head is sparse filler beside that dense tail, and the rest can go whole to one node below), the other
+    free items searched the same way, kept where that side still holds the longest item's last token
+    (``_lookahead`` weighs them with the levels below)."""
     # The heaviest uncut items of both sides, by decreasing area (ties: left side first, then position).
     uncut = [np.flatnonzero(~_among(side.doc, cut)) for side in sides]
     heaviest = min(config.heaviest, config.reopened) - len(cut)

@@ -61,11 +61,11 @@ class PlacementConfig:
     many nodes (at 8 nodes they moved as many rows on nearly every batch and cost planning time).
     head_cuts / head_cut_items / head_cut_share / head_cut_splits: step 6 first weighs splits with a second cut:
     of step 5's free items, each of the ``head_cut_items`` longest after the longest (of at least ``head_cut_share``
-    of the smaller side's tokens) gives its head of each fraction of ``head_cuts`` times its length to either side
-    and its rest to the other, the other free items searched as in step 5; of those whose head's side holds the
-    longest item's last token, the ``head_cut_splits`` moving the fewest rows here are weighed with the levels
-    below, and the shorter pieces of ``lookahead`` only where none of them won (``()``: off). Step 6 keeps only
-    candidates whose nodes below hold no more over their share than the budget or the first split's.
+    of the smaller side's tokens) gives its head of each fraction of ``head_cuts`` times its length to the side
+    holding the longest item's last token and its rest to the other, the other free items searched as in step 5;
+    of those where that side still holds it, the ``head_cut_splits`` moving the fewest rows here are weighed with
+    the levels below, and the shorter pieces of ``lookahead`` only where none of them won (``()``: off). Step 6
+    keeps only candidates whose nodes below hold no more over their share than the budget or the first split's.
     docs/sequence_aware.md quotes the tools/plan_report.py runs behind these choices.
     """
 
