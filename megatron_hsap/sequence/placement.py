@@ -1484,7 +1484,8 @@ def _lookahead(items: _Items, sides: List[_Items], halves: Tuple[list, list], ro
     # A second cut (a head as sparse filler) answers the same want of room as a shorter piece below: weighed first,
     # and the shorter pieces only where no second cut moved fewer rows (each costs its levels below).
     reopen = len(cut) <= config.reopened - 2
-    if config.head_cuts and reopen:
+    long_items = np.count_nonzero(items.length >= config.head_cut_share * min(rooms))  # (``_reopenings``' bar)
+    if config.head_cuts and reopen and long_items >= 2:
         weigh(_reopenings(items, sides, cut.tolist(), rooms, wanted, pairs, config, count=0,
                           head_cuts=config.head_cut_splits)[0])
     # A shorter piece costs rows here and can only pay below it, on its side: tried where that side's level below
