@@ -653,6 +653,9 @@ def test_cuts_of_the_greedy_bisection_are_searched_again() -> None:
     (dict(slack=float("nan")), "slack"), (dict(attention_target=1.0005), "slack"),
     (dict(lookahead=[0.5]), "lookahead"), (dict(lookahead=(1.0,)), "lookahead"), (dict(lookahead=(0,)), "lookahead"),
     (dict(alternatives=-1), "alternatives"), (dict(lookahead_nodes=-1), "lookahead_nodes"),
+    (dict(head_cuts=(0.25, 1.5)), "head_cuts"), (dict(head_cuts=0.25), "head_cuts"),
+    (dict(head_cut_items=-1), "head_cut_items"), (dict(head_cut_splits=1.5), "head_cut_splits"),
+    (dict(head_cut_share=-0.1), "head_cut_share"),
 ])
 def test_placement_config_refuses_bad_values_naming_the_field(kwargs: dict, name: str) -> None:
     with pytest.raises(ValueError, match=name):
@@ -677,11 +680,15 @@ def _node_rows(segments: Sequence[Sequence[Tuple[int, int, int]]], ranks_per_nod
     # below has 80K tokens left next to it for the 342K-token document's area and cuts it at 267K. A piece of at
     # most 3/4 of those tokens (130K) costs 17K rows more there and leaves that cut at 204K (the other side's at
     # 332K instead of 329K): 753K rows in all instead of 796K.
-    (2, 4, PlacementConfig(lookahead=()), PlacementConfig()),
+    (2, 4, PlacementConfig(lookahead=(), head_cuts=()), PlacementConfig(head_cuts=())),
     # The first bisection cuts the 354K-token document where the 293K-token one fits the rooms alike (a piece of
     # the same positions carries the same area): with that one cut instead, the level below cuts the 354K one
     # once (at 210K) instead of cutting its rest on one side and the 293K one on the other: 675K rows, not 934K.
-    (4, 1, PlacementConfig(lookahead=()), PlacementConfig(lookahead=(), alternatives=2)),
+    (4, 1, PlacementConfig(lookahead=(), head_cuts=()), PlacementConfig(lookahead=(), alternatives=2, head_cuts=())),
+    # Two cuts between the halves: the 267K-token document (longer than a node) gives its head (a quarter, 67K
+    # tokens) to the half holding the 410K-token one, as sparse filler next to that one's dense tail, and its rest
+    # goes whole to one node of the other half; no split with one cut does that: 526K rows, not 815K.
+    (10, 1, PlacementConfig(head_cuts=()), PlacementConfig()),
 ])
 def test_lookahead_weighs_the_cut_between_nodes_with_the_level_below(seed: int, members_per_node: int,
                                                                      off: PlacementConfig,
@@ -703,6 +710,21 @@ def test_lookahead_weighs_the_cut_between_nodes_with_the_level_below(seed: int, 
     assert rows["on"] < 0.95 * rows["off"], rows
 
 
+@pytest.mark.parametrize("lengths, config", [
+    ([2, 94, 50, 46, 6], PlacementConfig(short_tokens=500, exhaustive=0)),
+    ([7, 47, 1, 56, 4], PlacementConfig(heavy=0.01, short=0.2, short_tokens=500, exhaustive=0)),
+])
+def test_lookahead_keeps_the_nodes_below_within_the_budget(lengths: List[int], config: PlacementConfig) -> None:
+    """Three nodes of one member: a split with a second cut (``head_cuts``) moves fewer rows with the level below, but
+    that level cannot then balance its nodes (attention imbalance 1.47 and 1.15 when step 6 took it); step 6 weighs
+    only candidates whose nodes below hold no more over their share than the budget or the first split's."""
+    per_rank = -(-sum(lengths) // 3)
+    segments = sequence_aware_placement(lengths, ring_size=3, ulysses_size=1, ring_members_per_node=1,
+                                        tokens_per_rank=per_rank, placement=config)
+    check_layout(segments, lengths, per_rank)
+    assert _imbalance([sum(causal_area(s, e) for _, s, e in segs) for segs in segments]) <= config.attention_target
+
+
 def test_lookahead_runs_on_at_most_lookahead_nodes() -> None:
     """At 8 nodes the lookahead is off by default (``lookahead_nodes`` 4): the plan is that of ``lookahead=()``.
     With ``lookahead_nodes=8`` it weighs the bisections between two halves of 4 nodes, which on this stdlib
@@ -710,8 +732,8 @@ def test_lookahead_runs_on_at_most_lookahead_nodes() -> None:
     lengths = _heavy_tailed(10)
     per_rank = -(-sum(lengths) // 8)
     plans = {}
-    for name, config in (("default", PlacementConfig()), ("off", PlacementConfig(lookahead=())),
-                         ("eight", PlacementConfig(lookahead_nodes=8))):
+    for name, config in (("default", PlacementConfig()), ("off", PlacementConfig(lookahead=(), head_cuts=())),
+                         ("eight", PlacementConfig(head_cuts=(), lookahead_nodes=8))):
         segments = sequence_aware_placement(lengths, ring_size=8, ulysses_size=1, ring_members_per_node=1,
                                             tokens_per_rank=per_rank, placement=config)
         check_layout(segments, lengths, per_rank)

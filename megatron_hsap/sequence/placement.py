@@ -36,9 +36,10 @@ ranks. docs/sequence_aware.md has the full argument; in short, one bisection:
    steps cut is searched again the same way over the documents they cut, the heaviest and the
    shortest items (``_reopened``), kept when it moves fewer rows.
 6. Between 3 or 4 nodes a bisection that cut a document is weighed with the bisections between nodes below it:
-   the same bisection with shorter pieces for the sides without the cut documents' last tokens, and other
-   splits of step 5's search, are planned down to single nodes and the one moving the fewest rows in all is
-   kept (``_lookahead``).
+   splits with a second cut (a long document's head as sparse filler on one side, its rest on the other), the
+   same bisection with shorter pieces for the sides without the cut documents' last tokens, and other splits of
+   step 5's search, are planned down to single nodes and the one moving the fewest rows in all is kept
+   (``_lookahead``).
 
 A bisection's items are numpy arrays (``_Items``: one row per document; only pieces of cut documents carry ranges)
 and the steps over many items are numpy operations, with the per-item rules' results exactly (docs/sequence_aware.md,
@@ -1155,10 +1156,17 @@ def _reopened(items: _Items, sides: List[_Items], cut: List[int], rooms: Tuple[i
 
 def _reopenings(items: _Items, sides: List[_Items], cut: Sequence[int], rooms: Tuple[int, int],
                 targets: Tuple[float, float], slack: float, config: PlacementConfig, cap: Optional[int] = None,
-                count: int = 1) -> Tuple[List[List[List[_Item]]], List[_Items], Set[int]]:
+                count: int = 1, head_cuts: int = 0) -> Tuple[List[List[List[_Item]]], List[_Items], Set[int]]:
     """``_reopened``'s search: up to ``count`` splits of the items it frees (``_exhaustive_bisections``, of distinct
     kinds: which item is cut and where each free item heavier than the ``slack`` goes), the items each side keeps in
-    place, and the documents it moves (``_joined`` makes a split whole sides)."""
+    place, and the documents it moves (``_joined`` makes a split whole sides). ``head_cuts``: then, of the splits
+    with a second cut, up to this many moving the fewest rows here (one split each search): for each of the
+    ``config.head_cut_items`` longest free items after the longest (of at least ``config.head_cut_share`` of the
+    smaller side's tokens) and each fraction ``f`` of ``config.head_cuts``, its head of ``f`` x its length on the
+    side holding the longest item's last token and its rest on the other (a second cut: the head is sparse filler
+    beside that dense tail, and the rest can go whole to one node below), the other free items searched the same
+    way, kept where that side still holds the longest item's last token (``_lookahead`` weighs them with the levels
+    below)."""
     # The heaviest uncut items of both sides, by decreasing area (ties: left side first, then position).
     uncut = [(~_among(side.doc, cut)).nonzero()[0] for side in sides]
     heaviest = min(config.heaviest, config.reopened) - len(cut)
@@ -1180,9 +1188,39 @@ def _reopenings(items: _Items, sides: List[_Items], cut: Sequence[int], rooms: T
     free += [sides[s].item(k) for s, k in chosen + alternate]
     moved = {it.doc for it in free}
     fixed = [side.take((~_among(side.doc, moved)).nonzero()[0]) for side in sides]
-    found = _exhaustive_bisections(free, tuple(r - int(np.add.reduce(f.length)) for r, f in zip(rooms, fixed)),
-                                   tuple(t - f.total_area() for t, f in zip(targets, fixed)), slack,
-                                   config.visits * count, cap, count, [it.doc for it in free if it.area > slack])
+    held = [(int(np.add.reduce(f.length)), f.total_area()) for f in fixed]  # what each side keeps in place
+
+    def search(free: List[_Item], parts: Sequence[Sequence[_Item]], kinds: int) -> List[List[List[_Item]]]:
+        """Splits of ``free`` with ``parts`` (per side) fixed besides what the sides keep."""
+        room = tuple(r - t - sum(it.length for it in p) for r, (t, _), p in zip(rooms, held, parts))
+        if min(room) < 0:
+            return []
+        wanted = tuple(w - a - sum(it.area for it in p) for w, (_, a), p in zip(targets, held, parts))
+        return _exhaustive_bisections(free, room, wanted, slack, config.visits * kinds, cap, kinds,
+                                      [it.doc for it in free if it.area > slack])
+
+    # The search as it was, then with a second cut fixed: (rows here, the split with its parts).
+    found = search(free, ((), ()), count) if count else []
+    seconds = []
+    if head_cuts:
+        longest, *after = sorted(free, key=lambda it: (-it.length, it.doc))
+        # The side holding the longest item's last token: the head goes there (the rest to the other side).
+        ends = [side.ends()[side.doc == longest.doc] for side in sides]
+        tail = 0 if len(ends[0]) and (not len(ends[1]) or ends[0].max() > ends[1].max()) else 1
+        for c in after[:config.head_cut_items]:
+            if c.length < config.head_cut_share * min(rooms):
+                break  # a head too short to fill what a node's dense pieces leave: it rarely paid its planning time
+            rest = [it for it in free if it is not c]
+            for fraction in config.head_cuts:
+                h = int(fraction * c.length)
+                if not 0 < h < c.length:
+                    continue
+                parts = ((c.sub(0, h),), (c.sub(h, c.length),))[::1 if tail == 0 else -1]
+                for split in search(rest, parts, 1):
+                    # The head is filler next to the longest item's tail: elsewhere it rarely paid.
+                    if any(it.doc == longest.doc and it.ranges[-1][1] == longest.ranges[-1][1] for it in split[tail]):
+                        seconds.append((h + _cut_rows(split), [list(p) + side for p, side in zip(parts, split)]))
+    found += [split for _, split in sorted(seconds, key=lambda s: s[0])[:head_cuts]]
     return found, fixed, moved
 
 
@@ -1478,7 +1516,8 @@ def _split(items: Union[_Items, Sequence[_Item]], groups: list, caps: Sequence[i
         slack = _node_slack(budget, levels, config.slack)
     elif between_nodes:
         slack = node_slack
-    ahead = between_nodes and _depth(len(groups)) == 2 and bool(config.lookahead or config.alternatives)
+    ahead = (between_nodes and _depth(len(groups)) == 2
+             and bool(config.lookahead or config.alternatives or config.head_cuts))
     records = memo.setdefault((tuple(leaves[0]), tuple(leaves[1])), []) if memo is not None else []
     for seen in records:
         if (seen[1] == wanted and (seen[2] == slack or not seen[3]) and seen[5] in (None, budget)
@@ -1520,17 +1559,21 @@ def _lookahead(items: _Items, sides: List[_Items], halves: Tuple[list, list], ro
                node_slack: float, memo: Optional[dict], budget: Optional[float], slack: float) -> List[_Items]:
     """The bisection between two groups of nodes (3 or 4 nodes in all) that moves the fewest rows together with
     the bisections between nodes below it, among ``sides`` (which cut one document or more, ``cut``) and candidates
-    within its slack: the same bisection with the piece each heavy cut gives the side without the document's last
-    token held to ``fraction`` x the longest such piece of ``sides`` (one candidate per fraction of
-    ``config.lookahead``), and the ``config.alternatives`` cheapest splits of ``_reopened``'s search of distinct
+    within its slack whose nodes below hold no more area over their share than the budget or those of ``sides``:
+    splits with a second cut (``_reopenings``' ``head_cuts``: a long item's head on one side, its rest on the
+    other), then, where none of them won, the same bisection with the piece each heavy cut gives the side without
+    the document's last token held to ``fraction`` x the longest such piece of ``sides`` (one candidate per fraction
+    of ``config.lookahead``), and the ``config.alternatives`` cheapest splits of ``_reopened``'s search of distinct
     kinds (which item is cut, which side the heavy ones take).
 
     ``sides`` cuts at the fewest rows *of this bisection*. That can be a long, sparse piece taking most of a
     side's tokens, so that the level below has little room to take the area of the side's other documents off
     the node holding their last token and cuts them at high horizons; a shorter, denser piece costs a few rows
     here and leaves that room. Or the cut document, of two that fit the rooms alike (pieces of equal positions
-    carry equal area whatever the document), is the one whose rest the level below must cut again
-    (docs/sequence_aware.md, "Recursive bisection", step 6)."""
+    carry equal area whatever the document), is the one whose rest the level below must cut again. Or the side
+    holding the longest document's dense tail needs sparse tokens beside it, which the head of another long document
+    gives (a second cut here), its rest going whole to one node below (docs/sequence_aware.md, "Recursive
+    bisection", step 6)."""
     cut = np.intersect1d(sides[0].doc, sides[1].doc, assume_unique=True)  # (one item per document on a side)
     at = [_among(side.doc, cut) for side in sides]
     ends = [dict(zip(side.doc[a].tolist(), zip(side.ends()[a].tolist(), side.length[a].tolist())))
@@ -1540,37 +1583,59 @@ def _lookahead(items: _Items, sides: List[_Items], halves: Tuple[list, list], ro
     pairs = _pairs_slack(slack, wanted)
     allowed = max(pairs, max(abs(side.total_area() - w) for side, w in zip(sides, wanted)))
 
+    over = [1.0]  # the most area a node below the first split holds over its share; candidates may hold as much
+
     def rows(candidate: List[_Items], beat: float = math.inf) -> List[float]:
         """Rows of ``candidate``, then of the bisections between nodes below each side (``[inf]`` once their sum
-        reaches ``beat``)."""
+        reaches ``beat``, or where a node holds more area over its share than ``budget`` and those of ``sides``)."""
         total = [_cut_rows(candidate)]
         scaled, budgets = _rescaled(candidate, [_leaves(h) for h in halves], wanted, targets, budget)
         for side, half, side_budget in zip(candidate, halves, budgets):
             if sum(total) >= beat:
                 return [math.inf]
-            total.append(_node_rows(_split(side, half, caps, scaled, config, node_slack, memo, side_budget,
-                                           nodes_only=True)))
+            nodes = _split(side, half, caps, scaled, config, node_slack, memo, side_budget, nodes_only=True)
+            shares = [sum(targets[b] for b in _leaves(g)) for g in (half if len(nodes) > 1 else [half])]
+            worst = max((n.total_area() / t for n, t in zip(nodes, shares) if t > 0), default=1.0)
+            if beat == math.inf:
+                over[0] = max(over[0], worst, budget or 1.0)
+            elif worst > over[0]:
+                return [math.inf]
+            total.append(_node_rows(nodes))
         return total
 
     split = rows(sides)
     best = (sum(split), sides)
+
+    def weigh(candidates: List[List[_Items]]) -> None:
+        nonlocal best
+        for candidate in candidates:
+            if max(abs(side.total_area() - w) for side, w in zip(candidate, wanted)) > allowed:
+                continue
+            if all(_same_items(a, b) for a, b in zip(candidate, sides)):
+                continue
+            cost = sum(rows(candidate, best[0]))
+            if cost < best[0]:
+                best = (cost, candidate)
+
+    def reopenings(count: int, head_cuts: int = 0) -> List[List[_Items]]:
+        found, fixed, moved = _reopenings(items, sides, cut.tolist(), rooms, wanted, pairs, config, count=count,
+                                          head_cuts=head_cuts)
+        return [_joined(fixed, split, moved) for split in found]
+
+    # A second cut (a head as sparse filler) answers the same want of room as a shorter piece below: weighed first,
+    # and the shorter pieces only where no second cut moved fewer rows (each costs its levels below).
+    reopen = len(cut) <= config.reopened - 2
+    long_items = np.count_nonzero(items.length >= config.head_cut_share * min(rooms))  # (``_reopenings``' bar)
+    if config.head_cuts and reopen and long_items >= 2:
+        weigh(reopenings(0, config.head_cut_splits))
     # A shorter piece costs rows here and can only pay below it, on its side: tried where that side's level below
     # moves at least as many rows as this bisection and the piece holds a share of the side's tokens.
     shorter = split[1 + holder] >= split[0] and longest >= config.lookahead_share * rooms[holder]
-    candidates = [_bisect_items(items, rooms, wanted, True, config, slack, cap=int(fraction * longest))
-                  for fraction in (config.lookahead if shorter else ())]
-    if config.alternatives and len(cut) <= config.reopened - 2:
-        found, fixed, moved = _reopenings(items, sides, cut.tolist(), rooms, wanted, pairs, config,
-                                          count=config.alternatives)
-        candidates += [_joined(fixed, split, moved) for split in found]
-    for candidate in candidates:
-        if max(abs(side.total_area() - w) for side, w in zip(candidate, wanted)) > allowed:
-            continue
-        if all(_same_items(a, b) for a, b in zip(candidate, sides)):
-            continue
-        cost = sum(rows(candidate, best[0]))
-        if cost < best[0]:
-            best = (cost, candidate)
+    if best[1] is sides:
+        weigh([_bisect_items(items, rooms, wanted, True, config, slack, cap=int(fraction * longest))
+               for fraction in (config.lookahead if shorter else ())])
+    if config.alternatives and reopen:
+        weigh(reopenings(count=config.alternatives))
     return best[1]
 
 
@@ -1691,7 +1756,7 @@ def sequence_aware_table(doc_lengths: Sequence[int], *, ring_size: int, ulysses_
     nodes = [list(range(m, min(m + ring_members_per_node, ring_size)))
              for m in range(0, ring_size, ring_members_per_node)]
     if len(nodes) > config.lookahead_nodes:
-        config = dataclasses.replace(config, lookahead=(), alternatives=0)
+        config = dataclasses.replace(config, lookahead=(), alternatives=0, head_cuts=())
     # Planned with the widest slack first; kept when every member's attention is within the target of its own
     # (equal targets without padding: the attention imbalance), else planned again with the next slack (when
     # none meets it, the one closest to it is kept).

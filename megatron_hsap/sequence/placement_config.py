@@ -60,6 +60,13 @@ class PlacementConfig:
     fewest rows together with the bisections between nodes below it is kept (each candidate costs about three
     bisections between nodes; ``()`` and 0: off). lookahead_nodes: both run only in placements over at most this
     many nodes (at 8 nodes they moved as many rows on nearly every batch and cost planning time).
+    head_cuts / head_cut_items / head_cut_share / head_cut_splits: step 6 first weighs splits with a second cut:
+    of step 5's free items, each of the ``head_cut_items`` longest after the longest (of at least ``head_cut_share``
+    of the smaller side's tokens) gives its head of each fraction of ``head_cuts`` times its length to the side
+    holding the longest item's last token and its rest to the other, the other free items searched as in step 5;
+    of those where that side still holds it, the ``head_cut_splits`` moving the fewest rows here are weighed with
+    the levels below, and the shorter pieces of ``lookahead`` only where none of them won (``()``: off). Step 6
+    keeps only candidates whose nodes below hold no more over their share than the budget or the first split's.
     docs/sequence_aware.md quotes the tools/plan_report.py runs behind these choices.
     """
 
@@ -82,6 +89,10 @@ class PlacementConfig:
     lookahead_share: float = 0.1
     alternatives: int = 0
     lookahead_nodes: int = 4
+    head_cuts: Tuple[float, ...] = (0.25,)
+    head_cut_items: int = 2
+    head_cut_splits: int = 2
+    head_cut_share: float = 0.2
 
     def __post_init__(self) -> None:
         if self.balance not in BALANCES:
@@ -98,6 +109,10 @@ class PlacementConfig:
                 or not all(isinstance(f, (int, float)) and not isinstance(f, bool) and 0 < f < 1
                            for f in self.lookahead)):
             raise ValueError(f"lookahead={self.lookahead!r} must be a tuple of fractions in (0, 1)")
+        if (not isinstance(self.head_cuts, tuple)
+                or not all(isinstance(f, (int, float)) and not isinstance(f, bool) and 0 < f < 1
+                           for f in self.head_cuts)):
+            raise ValueError(f"head_cuts={self.head_cuts!r} must be a tuple of fractions in (0, 1)")
         for name in ("attention_target", "token_target"):
             if getattr(self, name) < 1.0:
                 raise ValueError(f"{name}={getattr(self, name)!r} must be >= 1.0 (a ratio to the mean)")
