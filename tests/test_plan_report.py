@@ -171,6 +171,17 @@ def test_te_ring_passes_whole_blocks_for_r_minus_1_steps(report) -> None:
     assert seq.bound_vs_te_ring <= seq.vs_te_ring  # the bound at the attention target holds for the plan
 
 
+def test_one_member_per_node_is_a_layout(report) -> None:
+    """16 x 1: a ring of 16 members, each its own node, so every one of the TE ring's 15 steps crosses nodes 16
+    times; hybrid and ring are the same layout there (a Ulysses group of one)."""
+    ring = report.topology("16x1", "ring")
+    assert (ring.ring_size, ring.ulysses_size) == (16, 1)
+    assert report.te_ring_bytes(1 << 20, ring, report.CostModel()) == 15 * 16 * (1 << 16) * 4096
+    rows = list(report.run(["stdlib"], ["128K"], ["16x1"], ["ring"], 1, 0, report.CostModel()))
+    seq, zigzag = rows[0], rows[1]
+    assert seq.forwarded_mib < zigzag.forwarded_mib and seq.attn_worst <= 1.02 and seq.padding == 0
+
+
 def test_tight_balance_is_a_report_option(report, capsys) -> None:
     """--balance tight plans the sequence-aware rows balanced first: on a bimodal batch at 2 x 8 more bytes cross
     nodes than with the default (the slack spent on traffic), both within the attention target."""

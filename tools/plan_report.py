@@ -74,7 +74,7 @@ from megatron_hsap.sequence.plan import PLAN_CACHE, BatchPlan, plan_batch, valid
 
 SIZES: Dict[str, int] = {"128K": 1 << 17, "1M": 1 << 20, "4M": 1 << 22}
 LAYOUTS: Dict[str, Tuple[int, int]] = {  # (nodes, CP ranks per node)
-    "2x8": (2, 8), "4x8": (4, 8), "4x4": (4, 4), "8x8": (8, 8), "2x4": (2, 4)}
+    "2x8": (2, 8), "4x8": (4, 8), "4x4": (4, 4), "8x8": (8, 8), "2x4": (2, 4), "16x1": (16, 1)}
 # Ulysses over the node's ranks + ring across nodes, a pure ring, or Ulysses pairs inside a node.
 MODES = ("hybrid", "ring", "u2")
 PLACEMENTS = ("sequence-aware", "zigzag", "contiguous")

@@ -1561,7 +1561,7 @@ def _lookahead(items: _Items, sides: List[_Items], halves: Tuple[list, list], ro
     the bisections between nodes below it, among ``sides`` (which cut one document or more, ``cut``) and candidates
     within its slack whose nodes below hold no more area over their share than the budget or those of ``sides``:
     splits with a second cut (``_reopenings``' ``head_cuts``: a long item's head on one side, its rest on the
-    other), then, where none of them won, the same bisection with the piece each heavy cut gives the side without
+    other), the same bisection with the piece each heavy cut gives the side without
     the document's last token held to ``fraction`` x the longest such piece of ``sides`` (one candidate per fraction
     of ``config.lookahead``), and the ``config.alternatives`` cheapest splits of ``_reopened``'s search of distinct
     kinds (which item is cut, which side the heavy ones take).
@@ -1622,8 +1622,7 @@ def _lookahead(items: _Items, sides: List[_Items], halves: Tuple[list, list], ro
                                           head_cuts=head_cuts)
         return [_joined(fixed, split, moved) for split in found]
 
-    # A second cut (a head as sparse filler) answers the same want of room as a shorter piece below: weighed first,
-    # and the shorter pieces only where no second cut moved fewer rows (each costs its levels below).
+    # A second cut (a head as sparse filler) answers the same want of room as a shorter piece below: both weighed.
     reopen = len(cut) <= config.reopened - 2
     long_items = np.count_nonzero(items.length >= config.head_cut_share * min(rooms))  # (``_reopenings``' bar)
     if config.head_cuts and reopen and long_items >= 2:
@@ -1631,9 +1630,8 @@ def _lookahead(items: _Items, sides: List[_Items], halves: Tuple[list, list], ro
     # A shorter piece costs rows here and can only pay below it, on its side: tried where that side's level below
     # moves at least as many rows as this bisection and the piece holds a share of the side's tokens.
     shorter = split[1 + holder] >= split[0] and longest >= config.lookahead_share * rooms[holder]
-    if best[1] is sides:
-        weigh([_bisect_items(items, rooms, wanted, True, config, slack, cap=int(fraction * longest))
-               for fraction in (config.lookahead if shorter else ())])
+    weigh([_bisect_items(items, rooms, wanted, True, config, slack, cap=int(fraction * longest))
+           for fraction in (config.lookahead if shorter else ())])
     if config.alternatives and reopen:
         weigh(reopenings(count=config.alternatives))
     return best[1]

@@ -65,7 +65,7 @@ class PlacementConfig:
     of the smaller side's tokens) gives its head of each fraction of ``head_cuts`` times its length to the side
     holding the longest item's last token and its rest to the other, the other free items searched as in step 5;
     of those where that side still holds it, the ``head_cut_splits`` moving the fewest rows here are weighed with
-    the levels below, and the shorter pieces of ``lookahead`` only where none of them won (``()``: off). Step 6
+    the levels below, beside the shorter pieces of ``lookahead`` (``()``: off). Step 6
     keeps only candidates whose nodes below hold no more over their share than the budget or the first split's.
     docs/sequence_aware.md quotes the tools/plan_report.py runs behind these choices.
     """
