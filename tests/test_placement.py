@@ -655,7 +655,7 @@ def test_cuts_of_the_greedy_bisection_are_searched_again() -> None:
     (dict(alternatives=-1), "alternatives"), (dict(lookahead_nodes=-1), "lookahead_nodes"),
     (dict(head_cuts=(0.25, 1.5)), "head_cuts"), (dict(head_cuts=0.25), "head_cuts"),
     (dict(head_cut_items=-1), "head_cut_items"), (dict(head_cut_splits=1.5), "head_cut_splits"),
-    (dict(head_cut_share=-0.1), "head_cut_share"),
+    (dict(head_cut_share=-0.1), "head_cut_share"), (dict(whole_lengths=-1), "whole_lengths"),
 ])
 def test_placement_config_refuses_bad_values_naming_the_field(kwargs: dict, name: str) -> None:
     with pytest.raises(ValueError, match=name):

@@ -6,14 +6,14 @@ Fast (no processes): ``.venv/bin/python -m pytest tests/test_whole_shares.py -q`
 from __future__ import annotations
 
 import random
-from typing import List, Sequence
+from typing import List, Optional, Sequence
 
 import numpy as np
 import pytest
 
 from megatron_hsap.sequence import placement as placement_module
 from megatron_hsap.sequence.placement_config import PlacementConfig
-from megatron_hsap.sequence.whole_shares import MOST_LENGTHS, share_whole
+from megatron_hsap.sequence.whole_shares import share_whole
 
 
 def _tolerances(targets: Sequence[float]) -> List[float]:
@@ -67,9 +67,10 @@ def test_declines_what_whole_documents_cannot_meet() -> None:
     assert share_whole(np.array([1, 2]), [2, 2], [2.0, 2.0], [1.0, 1.0]) is None
     assert share_whole(np.array([1, 1, 1, 3]), [3, 3], [4.5, 4.5], [0.1, 0.1]) is None
     assert share_whole(np.array([1, 1, 1, 3]), [3, 3], [6.0, 3.0], [0.1, 0.1]).tolist() == [1, 1, 1, 0]  # (reachable)
-    many = np.repeat(np.arange(1, MOST_LENGTHS + 2), 4)
+    many = np.repeat(np.arange(1, 10), 4)  # 9 distinct lengths
     total, area = int(many.sum()), float(_areas(many).sum())
-    assert share_whole(many, [total // 2, total - total // 2], [area / 2] * 2, [area] * 2) is None
+    assert share_whole(many, [total // 2, total - total // 2], [area / 2] * 2, [area] * 2, 8) is None
+    assert share_whole(many, [total // 2, total - total // 2], [area / 2] * 2, [area] * 2, 9) is not None
 
 
 def test_targets_out_of_reach_of_whole_documents_are_declined_before_any_exchange() -> None:
@@ -111,12 +112,14 @@ def test_a_node_holding_a_piece_cut_above_is_left_to_the_bisections() -> None:
         assert (out is not None) == shared, first
 
 
-def _plan(lengths: List[int], ring: int, ulysses: int, per_node: int) -> List[float]:
+def _plan(lengths: List[int], ring: int, ulysses: int, per_node: int,
+          config: Optional[PlacementConfig] = None) -> List[float]:
     """Each ring member's attention area over the mean, from the plan's segments; every document on one member."""
     total = sum(lengths)
     tokens_per_rank = -(-total // (ring * ulysses))
     table = placement_module.sequence_aware_table(lengths, ring_size=ring, ulysses_size=ulysses,
-                                                  ring_members_per_node=per_node, tokens_per_rank=tokens_per_rank)
+                                                  ring_members_per_node=per_node, tokens_per_rank=tokens_per_rank,
+                                                  placement=config)
     member = table[:, 0] // ulysses
     pairs = np.unique(np.stack([table[:, 1], member]), axis=1)
     assert len(np.unique(pairs[0])) == len(pairs[0]) == sum(1 for n in lengths if n), "a document split"
@@ -134,7 +137,7 @@ def test_nodes_of_short_documents_are_shared_by_counts_at_least_as_balanced_as_b
         seed: int, count: int, longest: int, ring: int, ulysses: int, per_node: int, monkeypatch) -> None:
     """Batches of many short documents: no bisection inside a node (every node shared by counts), every document
     whole, every member within the attention target -- and the worst member no further over the mean than where
-    the nodes are bisected as before (``share_whole`` declining every node)."""
+    the nodes are bisected as before (``whole_lengths=0``: ``share_whole`` declining every node)."""
     rng = random.Random(seed)
     lengths = [rng.randint(1, longest) for _ in range(count)]
     inside: List[int] = []
@@ -149,7 +152,6 @@ def test_nodes_of_short_documents_are_shared_by_counts_at_least_as_balanced_as_b
     shared = _plan(lengths, ring, ulysses, per_node)
     assert inside == []
     assert max(shared) <= PlacementConfig().attention_target
-    monkeypatch.setattr(placement_module, "share_whole", lambda *args: None)
-    bisected = _plan(lengths, ring, ulysses, per_node)
+    bisected = _plan(lengths, ring, ulysses, per_node, PlacementConfig(whole_lengths=0))
     assert inside, "the bisections inside nodes did not run"
     assert max(shared) <= max(bisected), (max(shared), max(bisected))

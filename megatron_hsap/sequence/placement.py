@@ -1464,7 +1464,8 @@ def _shared_whole(items: _Items, caps: Sequence[int], targets: Sequence[float],
     is a piece of a document cut above that is not its head (its area is not its length's): the caller bisects."""
     if items.pieces and _among(items.doc, items.pieces).any():
         return None
-    bins = share_whole(items.length, caps, targets, [_pairs_slack(config.slack, (t,)) for t in targets])
+    bins = share_whole(items.length, caps, targets, [_pairs_slack(config.slack, (t,)) for t in targets],
+                       config.whole_lengths)
     if bins is None:
         return None
     order = np.argsort(bins, kind="stable")

@@ -38,7 +38,9 @@ class PlacementConfig:
     rooms exactly by choosing and exchanging items; such a cut would buy nearly no balance); inside a node, the
     pass sharing the node's items among its members never cuts an item of at most this fraction of a member's
     tokens (or this many tokens): a node of such items only is shared whole, by counts of documents per length
-    (``whole_shares``), and bisected where that misses a member's target. tiny: the shortest
+    (``whole_shares``), and bisected where that misses a member's target. whole_lengths: only a node of at most this
+    many distinct lengths is shared by counts (each exchange round weighs every two lengths; many lengths means
+    few documents of each; 0: off). tiny: the shortest
     items holding this fraction of a bisection's tokens are shared in proportion to the rooms. exchange: items
     considered (shortest first) when exchanging a few to close a token gap. slack: a side may miss its target by
     this fraction in ``"tight"`` mode and inside nodes (the rest of the hierarchy adds its own error), and at least
@@ -76,6 +78,7 @@ class PlacementConfig:
     heavy: float = 0.001
     short: float = 0.02
     short_tokens: int = 64
+    whole_lengths: int = 64
     tiny: float = 0.02
     exchange: int = 48
     slack: float = 0.001

@@ -30,20 +30,17 @@ from typing import Optional, Sequence
 
 import numpy as np
 
+from megatron_hsap.sequence.placement_config import PlacementConfig
+
 __all__ = ["share_whole"]
 
-#: Nodes with more distinct document lengths than this are left to the bisections: each exchange weighs every two
-#: lengths (arrays of ``lengths**2 / 2`` entries a round), and many lengths means few documents of each (the
-#: default ``short_tokens``, 64, bounds the lengths of a node of short documents but for members of over 3,200 tokens).
-MOST_LENGTHS = 64
 
-
-def share_whole(lengths: np.ndarray, caps: Sequence[int], targets: Sequence[float],
-                tolerances: Sequence[float]) -> Optional[np.ndarray]:
+def share_whole(lengths: np.ndarray, caps: Sequence[int], targets: Sequence[float], tolerances: Sequence[float],
+                most_lengths: int = PlacementConfig.whole_lengths) -> Optional[np.ndarray]:
     """The bin of each document, int64 ``[n]``, for whole documents of ``lengths`` (int64 ``[n]``, each >= 1;
     area ``l * (l + 1) / 2`` pairs): bin ``b`` gets exactly ``caps[b]`` tokens and an area within ``tolerances[b]``
     (> 0) of ``targets[b]``. None where the exchanges find none, the lengths do not add up to the capacities, or
-    there are more than ``MOST_LENGTHS`` distinct lengths or one of 2**16 tokens or more (the exchanges' keys exact
+    there are more than ``most_lengths`` distinct lengths (``PlacementConfig.whole_lengths``) or one of 2**16 tokens or more (the exchanges' keys exact
     in float64 below it).
     Deterministic: the documents of one length go to the bins in bin order, by position in ``lengths``."""
     caps_all = np.asarray(caps, dtype=np.int64)
@@ -55,7 +52,7 @@ def share_whole(lengths: np.ndarray, caps: Sequence[int], targets: Sequence[floa
     tolerance = np.asarray(tolerances, dtype=np.float64)[bins]
     per_length = np.bincount(lengths)
     values = np.flatnonzero(per_length)  # the distinct lengths, increasing
-    if len(values) > MOST_LENGTHS or values[-1] >= 1 << 16:
+    if len(values) > most_lengths or values[-1] >= 1 << 16:
         return None
     available = per_length[values]
     areas = values * (values + 1) // 2
