@@ -1234,6 +1234,11 @@ def _joined(fixed: List[_Items], split: List[List[_Item]], moved: Set[int]) -> L
     return sides
 
 
+def _all_joined(found: List[List[List[_Item]]], fixed: List[_Items], moved: Set[int]) -> List[List[_Items]]:
+    """Every split ``_reopenings`` found, as whole sides (``_joined``)."""
+    return [_joined(fixed, split, moved) for split in found]
+
+
 def _shortest(lengths: np.ndarray, count: int) -> np.ndarray:
     """Indices of the ``count`` smallest of ``lengths`` in (length, index) order (a stable sort's first ``count``),
     without sorting them all."""
@@ -1618,23 +1623,20 @@ def _lookahead(items: _Items, sides: List[_Items], halves: Tuple[list, list], ro
             if cost < best[0]:
                 best = (cost, candidate)
 
-    def reopenings(count: int, head_cuts: int = 0) -> List[List[_Items]]:
-        found, fixed, moved = _reopenings(items, sides, cut.tolist(), rooms, wanted, pairs, config, count=count,
-                                          head_cuts=head_cuts)
-        return [_joined(fixed, split, moved) for split in found]
-
     # A second cut (a head as sparse filler) answers the same want of room as a shorter piece below: both weighed.
     reopen = len(cut) <= config.reopened - 2
     long_items = np.count_nonzero(items.length >= config.head_cut_share * min(rooms))  # (``_reopenings``' bar)
     if config.head_cuts and reopen and long_items >= 2:
-        weigh(reopenings(0, config.head_cut_splits))
+        weigh(_all_joined(*_reopenings(items, sides, cut.tolist(), rooms, wanted, pairs, config, count=0,
+                                       head_cuts=config.head_cut_splits)))
     # A shorter piece costs rows here and can only pay below it, on its side: tried where that side's level below
     # moves at least as many rows as this bisection and the piece holds a share of the side's tokens.
     shorter = split[1 + holder] >= split[0] and longest >= config.lookahead_share * rooms[holder]
     weigh([_bisect_items(items, rooms, wanted, True, config, slack, cap=int(fraction * longest))
            for fraction in (config.lookahead if shorter else ())])
     if config.alternatives and reopen:
-        weigh(reopenings(count=config.alternatives))
+        weigh(_all_joined(*_reopenings(items, sides, cut.tolist(), rooms, wanted, pairs, config,
+                                       count=config.alternatives)))
     return best[1]
 
 
