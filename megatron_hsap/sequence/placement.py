@@ -1104,7 +1104,9 @@ def _bisect_items(items: Union[_Items, Sequence[_Item]], rooms: Tuple[int, int],
 
 def _cut_rows(sides: Sequence[Union[_Items, Sequence[_Item]]], docs: Optional[Sequence[int]] = None) -> int:
     """Rows a bisection moves (``_node_rows`` of its two sides), counting only the documents ``docs`` where
-    given."""
+    given. Sides given as items (a few, from a search) are counted from their ends one by one."""
+    if docs is None and not any(isinstance(side, _Items) for side in sides):
+        return _horizon_rows((it.doc, it.ranges[-1][1]) for side in sides for it in side)
     sides = [_as_items(side) for side in sides]
     if docs is None:
         return _node_rows(sides)
@@ -1148,8 +1150,7 @@ def _reopened(items: _Items, sides: List[_Items], cut: List[int], rooms: Tuple[i
     if not found:
         return sides
     # (the rows of the moved documents: those of the split alone, before it is joined to the items left in place)
-    split_rows = _horizon_rows((it.doc, it.ranges[-1][1]) for side in found[0] for it in side)
-    if missed or split_rows < _cut_rows(sides, cut):
+    if missed or _cut_rows(found[0]) < _cut_rows(sides, cut):
         return _joined(fixed, found[0], moved)
     return sides
 
@@ -1467,7 +1468,7 @@ def _shared_whole(items: _Items, caps: Sequence[int], targets: Sequence[float],
     """The short items of bins inside one node shared among them whole (``whole_shares.share_whole``: exact tokens,
     every bin within ``config.slack`` of its target, as ``_shared``), or None where that finds no split, or some item
     is a piece of a document cut above that is not its head (its area is not its length's): the caller bisects."""
-    if items.pieces and _among(items.doc, items.pieces).any():
+    if items.ranged():
         return None
     bins = share_whole(items.length, caps, targets, [_pairs_slack(config.slack, (t,)) for t in targets],
                        config.whole_lengths)

@@ -108,14 +108,11 @@ class PlacementConfig:
             if f.type == "float" and (isinstance(value, bool) or not isinstance(value, (int, float))
                                       or not math.isfinite(value) or value < 0):
                 raise ValueError(f"{f.name}={value!r} must be a finite number >= 0")
-        if (not isinstance(self.lookahead, tuple)
-                or not all(isinstance(f, (int, float)) and not isinstance(f, bool) and 0 < f < 1
-                           for f in self.lookahead)):
-            raise ValueError(f"lookahead={self.lookahead!r} must be a tuple of fractions in (0, 1)")
-        if (not isinstance(self.head_cuts, tuple)
-                or not all(isinstance(f, (int, float)) and not isinstance(f, bool) and 0 < f < 1
-                           for f in self.head_cuts)):
-            raise ValueError(f"head_cuts={self.head_cuts!r} must be a tuple of fractions in (0, 1)")
+        for name in ("lookahead", "head_cuts"):
+            value = getattr(self, name)
+            if (not isinstance(value, tuple)
+                    or not all(isinstance(f, (int, float)) and not isinstance(f, bool) and 0 < f < 1 for f in value)):
+                raise ValueError(f"{name}={value!r} must be a tuple of fractions in (0, 1)")
         for name in ("attention_target", "token_target"):
             if getattr(self, name) < 1.0:
                 raise ValueError(f"{name}={getattr(self, name)!r} must be >= 1.0 (a ratio to the mean)")
